@@ -1,0 +1,95 @@
+"""Board profiles and board detection.
+
+A profile is a small overlay on an artifact's manifest: where it runs (triple, CUDA
+arch), how (threads, execution provider, max context) and the audio devices the voice
+demo should use. ``detect()`` names the board this process runs on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BoardProfile:
+    name: str
+    description: str
+    triple: str  # target triple of the host CPU
+    cpu: str  # LLVM mcpu / tuning name
+    cpu_features: tuple[str, ...]
+    threads: int  # 0 = number of usable cores
+    provider: str  # onnxruntime execution provider
+    max_context: int  # KV cache positions preallocated
+    cuda_arch: str | None = None
+    audio_input: str | None = None  # sounddevice name or index; None = system default
+    audio_output: str | None = None
+
+    @property
+    def arch(self) -> str:
+        return self.triple.split("-")[0]
+
+    def resolved_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - non-Linux
+            return max(1, os.cpu_count() or 1)
+
+
+PROFILES: dict[str, BoardProfile] = {
+    "host": BoardProfile("host", "x86-64 development host (CPU)", "x86_64-linux-gnu", "x86-64-v3", ("avx2", "fma"), 0,
+                         "CPUExecutionProvider", 2048),
+    "pi5": BoardProfile("pi5", "Raspberry Pi 5 (Cortex-A76, NEON + dotprod, CPU only)", "aarch64-linux-gnu", "cortex-a76",
+                        ("neon", "dotprod", "fullfp16"), 4, "CPUExecutionProvider", 2048),
+    "jetson-orin-nano": BoardProfile("jetson-orin-nano", "NVIDIA Jetson Orin Nano (Cortex-A78AE host, CUDA sm_87)",
+                                     "aarch64-linux-gnu", "cortex-a78", ("neon", "dotprod", "fullfp16"), 6,
+                                     "CUDAExecutionProvider", 4096, cuda_arch="sm_87"),
+    "jetson-agx-orin": BoardProfile("jetson-agx-orin", "NVIDIA Jetson AGX Orin (Cortex-A78AE host, CUDA sm_87)",
+                                    "aarch64-linux-gnu", "cortex-a78", ("neon", "dotprod", "fullfp16"), 8,
+                                    "CUDAExecutionProvider", 8192, cuda_arch="sm_87"),
+}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_bytes().replace(b"\x00", b"").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def detect() -> BoardProfile:
+    """The profile of this machine: $BOARDTALK_BOARD if set, else from the device tree / CPU."""
+    forced = os.environ.get("BOARDTALK_BOARD")
+    if forced:
+        return get(forced)
+    model = _read("/proc/device-tree/model").lower()
+    if "raspberry pi 5" in model:
+        return PROFILES["pi5"]
+    if "orin" in model or os.path.exists("/etc/nv_tegra_release"):
+        return PROFILES["jetson-agx-orin" if "agx" in model else "jetson-orin-nano"]
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return PROFILES["host"]
+    # An unknown aarch64 board: behave like a Pi 5 class CPU, but say so.
+    log.warning("unknown board (machine %s, model %r); using the pi5 profile", machine, model)
+    return PROFILES["pi5"]
+
+
+def get(name: str) -> BoardProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown board {name!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def overlay(profile: BoardProfile, **overrides) -> BoardProfile:
+    """Apply per-run overrides (None = keep), logging each one."""
+    changes = {k: v for k, v in overrides.items() if v is not None and getattr(profile, k) != v}
+    for k, v in changes.items():
+        log.info("board %s: %s overridden %r -> %r", profile.name, k, getattr(profile, k), v)
+    return replace(profile, **changes) if changes else profile

@@ -1,0 +1,1 @@
+"""Model definitions, sources, INT4 quantization and export (ONNX now, TVM next)."""

@@ -1,0 +1,83 @@
+"""Turn a model source into an artifact for one board: the interface the CLIs call.
+
+    build_artifact("smollm2-135m-instruct", out_dir, board="host")
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import quant
+from .arch import read_gguf
+from .sources import resolve_gguf, sha256_file
+
+log = logging.getLogger(__name__)
+
+TOOL_VERSION = "boardtalk 0.1.0"
+KV_CACHE = {
+    "scheme": "int8-absmax-per-token-head",
+    "dtype": "int8",
+    "scale_dtype": "float32",
+    "layout": "(position, layer, 2*kv_heads, head_dim); K heads then V heads",
+}
+
+
+def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend: str = "onnxruntime",
+                   scheme: str = "q4_1-exact", embedding: str = "q8_0", accuracy_level: int = 4,
+                   max_context: int | None = None, progress: Callable[[int, int, str], None] | None = None):
+    """Build into out_dir (replaced atomically); returns (Manifest, models.export_onnx.ExportReport)."""
+    import boards
+    from runtime.artifact import write_manifest
+
+    from .export_onnx import ExportOptions, build_graph, save
+    from .tokenizer import build_tokenizer, stop_ids
+
+    profile = boards.get(board)
+    if backend != "onnxruntime":
+        raise NotImplementedError(f"backend {backend!r}: only onnxruntime is built so far (TVM is its own issue)")
+    if scheme not in quant.SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(quant.SCHEMES)}")
+    t0 = time.monotonic()
+    gguf_path = resolve_gguf(model)
+    src = read_gguf(gguf_path)
+    cfg = src.config
+    ctx = min(max_context or profile.max_context, cfg.context_length)
+    log.info("building %s for %s: %d layers, hidden %d, scheme %s, context %d", src.name, board, cfg.n_layers,
+             cfg.hidden, scheme, ctx)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".building")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
+                                                   max_context=ctx), progress=progress)
+    files = save(proto, tmp)
+    del proto
+    (tmp / "tokenizer.json").write_text(build_tokenizer(src.tokenizer).to_str(), encoding="utf-8")
+    files.append("tokenizer.json")
+    s = quant.SCHEMES[scheme]
+    fields = {
+        "tool_version": TOOL_VERSION,
+        "model": {"name": src.name, "architecture": cfg.to_dict(),
+                  "source": {"file": gguf_path.name, "sha256": sha256_file(gguf_path), "registry_name": model}},
+        "tokenizer": {"file": "tokenizer.json", "bos_id": src.tokenizer.bos_id, "eos_id": src.tokenizer.eos_id,
+                      "stop_ids": stop_ids(src.tokenizer)},
+        "chat_template": src.tokenizer.chat_template,
+        "quantization": {"scheme": scheme, "bits": s.bits, "group_size": s.block_size, "symmetric": s.symmetric,
+                         "embedding": embedding, "accuracy_level": accuracy_level},
+        "kv_cache": dict(KV_CACHE),
+        "backend": backend,
+        "graph": {"file": "model.onnx"},
+        "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
+        "max_context": ctx,
+    }
+    manifest = write_manifest(tmp, fields, files)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    log.info("artifact %s ready in %.1f s (%.1f MiB)", out_dir, time.monotonic() - t0,
+             sum(f["size"] for f in manifest.files.values()) / 2**20)
+    return manifest, report

@@ -1,0 +1,68 @@
+"""boardtalk runtime: load a verified model artifact and stream tokens from it.
+
+    import runtime
+    model = runtime.load(artifact_dir)
+    for delta in model.chat([{"role": "user", "content": "hi"}], runtime.GenerationConfig(max_new_tokens=64)):
+        print(delta, end="")
+
+Importing this package is cheap: onnxruntime, tokenizers and yaml load on ``load()``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from .artifact import ArtifactError, Manifest
+from .kv_cache import ContextOverflow, KVCache
+from .model import CancelToken, GenerationStats, Model
+from .sampling import GenerationConfig, Sampler
+
+__all__ = ["load", "Model", "GenerationConfig", "GenerationStats", "CancelToken", "Sampler", "KVCache",
+           "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]
+__version__ = "0.1.0"
+log = logging.getLogger(__name__)
+
+
+class BoardMismatch(ArtifactError):
+    """The artifact was built for another board."""
+
+
+def load(artifact_dir, threads: int | None = None, board: str | None = None, max_context: int | None = None) -> Model:
+    """Verify and load an artifact.
+
+    threads: compute threads (None = the board profile's default).
+    board: board profile name to run as (None = detect this machine); must match the artifact's target.
+    max_context: KV cache positions (None = the board profile's, capped by the artifact's).
+    """
+    import boards
+    from .artifact import load_manifest, open_artifact
+    from .backends import open_backend
+    from .tokenizer import Tokenizer
+
+    t0 = time.monotonic()
+    art = open_artifact(artifact_dir)
+    m = load_manifest(art)  # verifies every file's size and sha256
+    profile = boards.get(board) if board else boards.detect()
+    if m.target.board != profile.name:
+        raise BoardMismatch(f"artifact {art} was built for board '{m.target.board}' ({m.target.triple}), "
+                            f"but this is '{profile.name}' ({profile.triple}); rebuild with --board {profile.name}")
+    profile = boards.overlay(profile, threads=threads)
+    ctx = min(max_context or profile.max_context, m.max_context)
+    if max_context and max_context > m.max_context:
+        log.warning("max_context %d exceeds the artifact's %d; using %d", max_context, m.max_context, ctx)
+    tok = Tokenizer((art / m.tokenizer_file).read_text(encoding="utf-8"))
+    backend = open_backend(m, art, profile.resolved_threads(), profile.provider)
+    model = Model(m, backend, tok, ctx, profile)
+    log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
+             m.quantization.scheme, profile.name, time.monotonic() - t0, ctx, model.cache.bytes_per_position)
+    return model
+
+
+def default_artifact(model_name: str | None = None, board: str | None = None) -> Path:
+    """Where the CLI keeps the artifact it builds on first use."""
+    import boards
+    from models.sources import DEFAULT_MODEL, cache_dir
+
+    b = board or boards.detect().name
+    return cache_dir() / "artifacts" / f"{model_name or DEFAULT_MODEL}-onnxruntime-{b}"

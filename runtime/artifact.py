@@ -1,0 +1,215 @@
+"""The artifact: a directory with ``manifest.yaml`` and the files it lists.
+
+Loading checks, before anything runs: the format version, the manifest's fields and
+types, every file's size and sha256, and the target board. Each failure says what
+was expected and what was found. (A TVM library is native code: an unverified one
+must never be loaded, so there is no "skip verification" switch.)
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.yaml"
+BACKENDS = ("onnxruntime", "tvm")
+
+
+class ArtifactError(ValueError):
+    """The artifact is missing, corrupt, tampered with, or not for this board."""
+
+
+@dataclass(frozen=True)
+class Target:
+    board: str  # board profile name (boards.PROFILES)
+    triple: str  # e.g. "x86_64-linux-gnu", "aarch64-linux-gnu"
+    cuda_arch: str | None  # e.g. "sm_87", None for CPU
+
+
+@dataclass(frozen=True)
+class Quantization:
+    scheme: str  # models.quant.SCHEMES key
+    bits: int
+    group_size: int
+    symmetric: bool
+    embedding: str  # "q8_0" or "rtn-int4" (tied lm_head)
+    accuracy_level: int  # MatMulNBits accuracy level (4 = int8 activations)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    tool_version: str
+    model_name: str
+    architecture: dict  # models.arch.LlamaConfig.to_dict()
+    source: dict  # where the weights came from: file name, sha256, package
+    tokenizer_file: str
+    bos_id: int | None
+    eos_id: int
+    stop_ids: tuple[int, ...]  # ids that end a reply (eos, end-of-turn)
+    chat_template: str | None
+    quantization: Quantization
+    kv_cache: dict  # scheme description: dtype, scale, layout
+    backend: str
+    graph_file: str
+    target: Target
+    max_context: int
+    files: dict  # name -> {"size": int, "sha256": str}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "tool_version": self.tool_version,
+            "model": {"name": self.model_name, "architecture": dict(self.architecture), "source": dict(self.source)},
+            "tokenizer": {"file": self.tokenizer_file, "bos_id": self.bos_id, "eos_id": self.eos_id,
+                          "stop_ids": list(self.stop_ids)},
+            "chat_template": self.chat_template,
+            "quantization": dict(self.quantization.__dict__),
+            "kv_cache": dict(self.kv_cache),
+            "backend": self.backend,
+            "graph": {"file": self.graph_file},
+            "target": dict(self.target.__dict__),
+            "max_context": self.max_context,
+            "files": {k: dict(v) for k, v in self.files.items()},
+        }
+
+
+def _get(d: Any, path: str, typ, where: str = MANIFEST):
+    cur = d
+    for key in path.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            raise ArtifactError(f"{where}: missing field '{path}'")
+        cur = cur[key]
+    if typ is not None and not isinstance(cur, typ) or (typ is int and isinstance(cur, bool)):
+        tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise ArtifactError(f"{where}: field '{path}' should be {tname}, found {type(cur).__name__} {cur!r:.60}")
+    return cur
+
+
+def parse_manifest(d: Any) -> Manifest:
+    if not isinstance(d, dict):
+        raise ArtifactError(f"{MANIFEST}: expected a mapping at the top level, found {type(d).__name__}")
+    version = _get(d, "format_version", int)
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{MANIFEST}: format_version {version} is not supported; this runtime reads version "
+                            f"{FORMAT_VERSION} (rebuild the artifact with this boardtalk)")
+    backend = _get(d, "backend", str)
+    if backend not in BACKENDS:
+        raise ArtifactError(f"{MANIFEST}: backend {backend!r} unknown; expected one of {', '.join(BACKENDS)}")
+    files = _get(d, "files", dict)
+    for name, info in files.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise ArtifactError(f"{MANIFEST}: file name {name!r} is not a plain file name")
+        _get(info, "size", int, f"{MANIFEST} files.{name}")
+        _get(info, "sha256", str, f"{MANIFEST} files.{name}")
+    q = _get(d, "quantization", dict)
+    t = _get(d, "target", dict)
+    stop = _get(d, "tokenizer.stop_ids", list)
+    bos = _get(d, "tokenizer", dict).get("bos_id")
+    tmpl = d.get("chat_template")
+    m = Manifest(
+        format_version=version,
+        tool_version=_get(d, "tool_version", str),
+        model_name=_get(d, "model.name", str),
+        architecture=_get(d, "model.architecture", dict),
+        source=_get(d, "model.source", dict),
+        tokenizer_file=_get(d, "tokenizer.file", str),
+        bos_id=bos if isinstance(bos, int) else None,
+        eos_id=_get(d, "tokenizer.eos_id", int),
+        stop_ids=tuple(int(x) for x in stop),
+        chat_template=tmpl if isinstance(tmpl, str) else None,
+        quantization=Quantization(
+            scheme=_get(q, "scheme", str, "quantization"), bits=_get(q, "bits", int, "quantization"),
+            group_size=_get(q, "group_size", int, "quantization"), symmetric=_get(q, "symmetric", bool, "quantization"),
+            embedding=_get(q, "embedding", str, "quantization"), accuracy_level=_get(q, "accuracy_level", int, "quantization")),
+        kv_cache=_get(d, "kv_cache", dict),
+        backend=backend,
+        graph_file=_get(d, "graph.file", str),
+        target=Target(board=_get(t, "board", str, "target"), triple=_get(t, "triple", str, "target"),
+                      cuda_arch=t.get("cuda_arch")),
+        max_context=_get(d, "max_context", int),
+        files=files,
+    )
+    for f in (m.tokenizer_file, m.graph_file):
+        if f not in files:
+            raise ArtifactError(f"{MANIFEST}: {f} is used but not listed under 'files' (so it cannot be verified)")
+    return m
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(1 << 22)
+            if not b:
+                break
+            size += len(b)
+            h.update(b)
+    return size, h.hexdigest()
+
+
+def open_artifact(path: str | Path) -> Path:
+    """The artifact directory; a .tar / .tar.gz is unpacked (safely) to a temporary directory first."""
+    path = Path(path)
+    if path.is_file() and tarfile.is_tarfile(path):
+        dest = Path(tempfile.mkdtemp(prefix="boardtalk-artifact-"))
+        with tarfile.open(path) as tf:
+            tf.extractall(dest, filter="data")
+        subdirs = [p for p in dest.iterdir() if p.is_dir()]
+        return subdirs[0] if not (dest / MANIFEST).exists() and len(subdirs) == 1 else dest
+    if not path.is_dir():
+        raise ArtifactError(f"artifact not found: {path} (expected a directory with {MANIFEST}, or a tarball of one)")
+    return path
+
+
+def load_manifest(art_dir: Path, verify_files: bool = True) -> Manifest:
+    import yaml
+
+    mpath = art_dir / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{art_dir}: no {MANIFEST}; is this a boardtalk artifact?")
+    try:
+        raw = yaml.safe_load(mpath.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid YAML ({e})") from e
+    m = parse_manifest(raw)
+    if verify_files:
+        verify_files_of(art_dir, m)
+    return m
+
+
+def verify_files_of(art_dir: Path, m: Manifest) -> None:
+    for name, info in m.files.items():
+        p = art_dir / name
+        if not p.is_file():
+            raise ArtifactError(f"{art_dir}: file {name} listed in the manifest is missing")
+        actual = p.stat().st_size
+        if actual != info["size"]:
+            raise ArtifactError(f"{name}: size {actual} bytes, manifest says {info['size']} (truncated or replaced?)")
+        _, digest = file_digest(p)
+        if digest != info["sha256"]:
+            raise ArtifactError(f"{name}: sha256 {digest}, manifest says {info['sha256']} (corrupt or tampered with)")
+    log.info("artifact %s verified: %d files, sha256 ok", art_dir, len(m.files))
+
+
+def write_manifest(art_dir: Path, fields: dict[str, Any], file_names: list[str]) -> Manifest:
+    """Hash the listed files, add them to ``fields`` and write manifest.yaml; returns the parsed Manifest."""
+    import yaml
+
+    files = {}
+    for name in file_names:
+        size, digest = file_digest(art_dir / name)
+        files[name] = {"size": size, "sha256": digest}
+    d = dict(fields, format_version=FORMAT_VERSION, files=files)
+    m = parse_manifest(d)  # the same checks a loader makes
+    (art_dir / MANIFEST).write_text(yaml.safe_dump(m.to_dict(), sort_keys=False, allow_unicode=True, width=120),
+                                    encoding="utf-8")
+    return m

@@ -1,0 +1,16 @@
+"""Backends run one forward pass of the model over the int8 KV cache's live prefix.
+
+A backend is any object with
+    forward(ids (T,) int64, start: int, past_kv, past_scale, logits_from: int)
+        -> (logits (T - logits_from, vocab) float32, present_kv (T, L, 2*KVH, D) int8, present_scale (T, L, 2*KVH, 1) float32)
+A new backend (TVM, an NPU) is a new module here plus an entry in ``open_backend``.
+"""
+from __future__ import annotations
+
+
+def open_backend(manifest, art_dir, threads: int, provider: str):
+    if manifest.backend == "onnxruntime":
+        from .onnxruntime import OrtBackend
+
+        return OrtBackend(art_dir / manifest.graph_file, threads=threads, provider=provider)
+    raise NotImplementedError(f"backend {manifest.backend!r} is not available in this runtime build")

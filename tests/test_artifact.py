@@ -1,0 +1,101 @@
+"""Loading refuses bad artifacts with a message that names the file and what was expected."""
+import shutil
+import tarfile
+
+import pytest
+import yaml
+
+import runtime
+from runtime.artifact import ArtifactError
+
+
+@pytest.fixture()
+def art(tiny_artifact, tmp_path):
+    d = tmp_path / "a"
+    shutil.copytree(tiny_artifact, d)
+    return d
+
+
+def _edit_manifest(d, fn):
+    p = d / "manifest.yaml"
+    m = yaml.safe_load(p.read_text())
+    fn(m)
+    p.write_text(yaml.safe_dump(m, sort_keys=False))
+
+
+def test_good_artifact_loads(art):
+    m = runtime.load(art)
+    assert m.manifest.format_version == 1 and m.manifest.backend == "onnxruntime"
+
+
+def test_flipped_byte_is_rejected(art):
+    p = art / "model.onnx.data"
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    p.write_bytes(bytes(b))
+    with pytest.raises(ArtifactError, match=r"model\.onnx\.data: sha256 .* manifest says .* tampered"):
+        runtime.load(art)
+
+
+def test_truncated_file_is_rejected(art):
+    p = art / "tokenizer.json"
+    p.write_bytes(p.read_bytes()[:-10])
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json: size \d+ bytes, manifest says \d+"):
+        runtime.load(art)
+
+
+def test_missing_file_is_rejected(art):
+    (art / "model.onnx").unlink()
+    with pytest.raises(ArtifactError, match="file model.onnx listed in the manifest is missing"):
+        runtime.load(art)
+
+
+def test_unlisted_graph_is_rejected(art):
+    _edit_manifest(art, lambda m: m["files"].pop("model.onnx"))
+    with pytest.raises(ArtifactError, match="model.onnx is used but not listed"):
+        runtime.load(art)
+
+
+def test_wrong_format_version_is_rejected(art):
+    _edit_manifest(art, lambda m: m.update(format_version=99))
+    with pytest.raises(ArtifactError, match="format_version 99 is not supported; this runtime reads version 1"):
+        runtime.load(art)
+
+
+def test_wrong_target_is_rejected(art):
+    _edit_manifest(art, lambda m: m["target"].update(board="pi5", triple="aarch64-linux-gnu"))
+    with pytest.raises(runtime.BoardMismatch, match="built for board 'pi5'.*rebuild with --board"):
+        runtime.load(art)
+
+
+def test_wrong_field_type_and_missing_field(art):
+    _edit_manifest(art, lambda m: m.update(max_context="lots"))
+    with pytest.raises(ArtifactError, match="field 'max_context' should be int, found str"):
+        runtime.load(art)
+    _edit_manifest(art, lambda m: m.pop("backend"))
+    with pytest.raises(ArtifactError, match="missing field 'backend'"):
+        runtime.load(art)
+
+
+def test_path_escaping_file_name_is_rejected(art):
+    _edit_manifest(art, lambda m: m["files"].update({"../etc/passwd": {"size": 1, "sha256": "0" * 64}}))
+    with pytest.raises(ArtifactError, match="not a plain file name"):
+        runtime.load(art)
+
+
+def test_not_yaml_and_not_an_artifact(art, tmp_path):
+    (art / "manifest.yaml").write_text("format_version: [1\n")
+    with pytest.raises(ArtifactError, match="not valid YAML"):
+        runtime.load(art)
+    with pytest.raises(ArtifactError, match="no manifest.yaml"):
+        runtime.load(tmp_path)
+    with pytest.raises(ArtifactError, match="artifact not found"):
+        runtime.load(tmp_path / "nope")
+
+
+def test_tarball_loads(art, tmp_path):
+    tar = tmp_path / "a.tar.gz"
+    with tarfile.open(tar, "w:gz") as tf:
+        tf.add(art, arcname="tiny")
+    m = runtime.load(tar)
+    assert m.manifest.model_name == "tiny-random-llama"
