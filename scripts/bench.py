@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Benchmark boardtalk against llama.cpp on the same model, token ids and threads, side by side.
+
+    python scripts/bench.py                      # default artifact, 2 threads, 5 rounds
+    python scripts/bench.py --artifact DIR --threads 4 --rounds 7 --json out.json
+
+Each round runs each runtime in a fresh subprocess (so peak RSS and load time are its own),
+alternating ours / llama.cpp to spread machine noise over both. Reported: median and
+min-max over all measurements. llama.cpp (llama-cpp-python, the 'bench' extra) is skipped
+with a note when it is not installed.
+
+Figures: load time (warm page cache), TTFT of 64- and 256-token cold prompts, TTFT of a
+voice-style turn (system prompt already cached, ~16 new tokens), decode tokens/s over 128
+tokens (context 64 -> 192), peak RSS, KV bytes per position, perplexity of the first 512
+tokens of the Apache-2.0 license text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TEXT = ROOT / "tests" / "fixtures" / "apache-2.0.txt"
+SYSTEM = "You are Pip, a friendly robot toy. Answer in one or two short sentences a child can understand."
+USER = "Why is the sky blue during the day?"
+
+
+def _prompts(tok_encode, chat_ids):
+    ids = tok_encode(TEXT.read_text(encoding="utf-8"))
+    sys_ids = chat_ids([{"role": "system", "content": SYSTEM}], False)
+    turn_ids = chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}], True)
+    return ids[:64], ids[:256], ids[:512], sys_ids, turn_ids
+
+
+def _argmax(x):
+    import numpy as np
+
+    return int(np.argmax(x))
+
+
+# ---------------------------------------------------------------------------------------- workers
+def worker_ours(args) -> dict:
+    import numpy as np
+
+    import runtime
+
+    t0 = time.perf_counter()
+    m = runtime.load(args.artifact, threads=args.threads, max_context=1024)
+    load_s = time.perf_counter() - t0
+    p64, p256, p512, sys_ids, turn_ids = _prompts(m.tokenizer.encode, m.chat_ids)
+    out = {"load_s": [load_s], "ttft64_ms": [], "ttft256_ms": [], "voice_ms": [], "decode_tps": []}
+    for _ in range(args.reps):
+        for key, p in (("ttft64_ms", p64), ("ttft256_ms", p256)):
+            m.reset()
+            t = time.perf_counter()
+            _argmax(m.prefill(p))
+            out[key].append((time.perf_counter() - t) * 1e3)
+        m.reset()
+        m.prefill(sys_ids)
+        m.cache.rewind_to(len(sys_ids))
+        t = time.perf_counter()
+        n = m.cache.common_prefix(turn_ids)
+        m.cache.rewind_to(n)
+        _argmax(m.prefill(turn_ids[n:]))
+        out["voice_ms"].append((time.perf_counter() - t) * 1e3)
+        out["voice_new_tokens"] = len(turn_ids) - n
+        m.reset()
+        tok = _argmax(m.prefill(p64))
+        t = time.perf_counter()
+        for _ in range(128):
+            tok = _argmax(m.decode_step(tok))
+        out["decode_tps"].append(128 / (time.perf_counter() - t))
+    ppl, n = m.perplexity(p512)
+    out["ppl"] = ppl
+    out["ppl_tokens"] = n
+    out["kv_bytes_per_pos"] = m.cache.bytes_per_position
+    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def worker_llama(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    import runtime
+    from models.sources import resolve_gguf
+
+    gguf = str(resolve_gguf(runtime.load(args.artifact).manifest.source["registry_name"])) if not args.gguf else args.gguf
+    tok = runtime.load(args.artifact)  # our tokenizer: same ids for both (tests prove they match llama.cpp)
+    p64, p256, p512, sys_ids, turn_ids = _prompts(tok.tokenizer.encode, tok.chat_ids)
+    del tok
+    import gc
+
+    gc.collect()
+    t0 = time.perf_counter()
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
+                logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t0
+    out = {"load_s": [load_s], "ttft64_ms": [], "ttft256_ms": [], "voice_ms": [], "decode_tps": []}
+
+    def rewind(n):
+        llm._ctx.kv_cache_seq_rm(-1, n, -1)
+        llm.n_tokens = n
+
+    def last_logits():
+        return llm.scores[llm.n_tokens - 1]
+
+    for _ in range(args.reps):
+        for key, p in (("ttft64_ms", p64), ("ttft256_ms", p256)):
+            rewind(0)
+            t = time.perf_counter()
+            llm.eval(p)
+            _argmax(last_logits())
+            out[key].append((time.perf_counter() - t) * 1e3)
+        rewind(0)
+        llm.eval(sys_ids)
+        t = time.perf_counter()
+        rewind(len(sys_ids))
+        llm.eval(turn_ids[len(sys_ids):])
+        _argmax(last_logits())
+        out["voice_ms"].append((time.perf_counter() - t) * 1e3)
+        rewind(0)
+        llm.eval(p64)
+        tk = _argmax(last_logits())
+        t = time.perf_counter()
+        for _ in range(128):
+            llm.eval([tk])
+            tk = _argmax(last_logits())
+        out["decode_tps"].append(128 / (time.perf_counter() - t))
+    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    llm.close()
+    # perplexity with every position's logits (f16 KV, llama.cpp's default)
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
+                logits_all=True, verbose=False)
+    llm.eval(p512)
+    lg = np.asarray(llm.scores[: len(p512) - 1], np.float64)
+    m = lg.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(lg - m).sum(-1, keepdims=True)))[:, 0]
+    nll = (lse - lg[np.arange(len(p512) - 1), p512[1:]]).mean()
+    out["ppl"] = float(np.exp(nll))
+    out["ppl_tokens"] = len(p512) - 1
+    out["kv_bytes_per_pos"] = 2 * 2 * 30 * 3 * 64  # f16 K and V, 30 layers x 3 kv heads x 64
+    return out
+
+
+# ---------------------------------------------------------------------------------------- driver
+def _run_worker(which: str, args) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", which, "--artifact", str(args.artifact), "--threads", str(args.threads),
+           "--reps", str(args.reps)] + (["--gguf", args.gguf] if args.gguf else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if res.returncode != 0:
+        print(f"  {which} worker failed:\n{res.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _stat(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+ROWS = [  # key, label, unit, higher is better
+    ("ttft64_ms", "TTFT 64-token prompt (cold)", "ms", False),
+    ("ttft256_ms", "TTFT 256-token prompt (cold)", "ms", False),
+    ("voice_ms", "TTFT voice turn (system cached)", "ms", False),
+    ("decode_tps", "decode, context 64->192", "tok/s", True),
+    ("load_s", "load (warm page cache)", "s", False),
+    ("rss_mib", "peak RSS", "MiB", False),
+    ("kv_bytes_per_pos", "KV cache per position", "B", False),
+    ("ppl", "perplexity, 512 tokens", "", False),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", help="our artifact (default: the default host artifact, built if missing)")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the artifact's source model)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="fresh-process rounds per runtime")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each figure inside a round")
+    ap.add_argument("--no-llama", action="store_true", help="measure boardtalk only")
+    ap.add_argument("--json", help="also write all raw figures here")
+    ap.add_argument("--worker", choices=["ours", "llama"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        res = (worker_ours if args.worker == "ours" else worker_llama)(args)
+        print(json.dumps(res))
+        return 0
+    if not args.artifact:
+        import runtime
+
+        args.artifact = runtime.default_artifact()
+        if not (Path(args.artifact) / "manifest.yaml").exists():
+            from models.build import build_artifact
+
+            build_artifact("smollm2-135m-instruct", args.artifact, board="host")
+    have_llama = not args.no_llama
+    if have_llama:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python not installed (pip install -e .[bench]); measuring boardtalk only", file=sys.stderr)
+            have_llama = False
+    runs: dict[str, list[dict]] = {"ours": [], "llama": []}
+    for r in range(args.rounds):
+        for which in ("ours", "llama") if have_llama else ("ours",):
+            print(f"round {r + 1}/{args.rounds}: {which}", file=sys.stderr, flush=True)
+            res = _run_worker(which, args)
+            if res:
+                runs[which].append(res)
+    if not runs["ours"]:
+        return 1
+
+    def collect(which, key):
+        xs = []
+        for res in runs[which]:
+            v = res.get(key)
+            xs += v if isinstance(v, list) else [v]
+        return xs
+
+    print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, {args.rounds} rounds x {args.reps} reps; "
+          f"median [min-max]; voice turn = {runs['ours'][0].get('voice_new_tokens')} new tokens")
+    hdr = f"{'figure':34} {'boardtalk':>26} {'llama.cpp':>26} {'ratio':>7}"
+    print(hdr + "\n" + "-" * len(hdr))
+    table = {}
+    for key, label, unit, higher in ROWS:
+        o = _stat(collect("ours", key))
+        cell_o = f"{o[0]:.4g} [{o[1]:.4g}-{o[2]:.4g}] {unit}"
+        cell_l, ratio = "-", ""
+        if runs["llama"]:
+            lv = _stat(collect("llama", key))
+            cell_l = f"{lv[0]:.4g} [{lv[1]:.4g}-{lv[2]:.4g}] {unit}"
+            ratio = f"{o[0] / lv[0]:.2f}x"
+            table[key] = {"ours": o, "llama": lv}
+        else:
+            table[key] = {"ours": o}
+        print(f"{label:34} {cell_o:>26} {cell_l:>26} {ratio:>7}")
+    print("ratio = boardtalk / llama.cpp (lower is better except decode tok/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "raw": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
