@@ -5,7 +5,6 @@ One graph serves prefill (T tokens) and decode (T = 1).
 Inputs
   input_ids     (T,)                  int64
   position_ids  (1, T)                int64   absolute positions P..P+T-1
-  attn_bias     (T, P+T)              float32 additive mask (0 or -inf), built by the runtime
   past_kv       (P, L, 2*KVH, D)      int8    the cache's live prefix: K heads then V heads per layer
   past_scale    (P, L, 2*KVH, 1)      float32 one scale per (token, layer, head)
   logits_from   (1,)                  int64   first position whose logits are returned (T-1: last only)
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 
 OPSET = 21
 KV_SCALE_FLOOR = 1e-30
-INPUTS = ("input_ids", "position_ids", "attn_bias", "past_kv", "past_scale", "logits_from")
+INPUTS = ("input_ids", "position_ids", "past_kv", "past_scale", "logits_from")
 OUTPUTS = ("logits", "present_kv", "present_scale")
 
 
@@ -118,8 +117,8 @@ class _Linears:
                  accuracy_level=self.opts.accuracy_level)
         if p.block_offset is not None:
             # W = d*(q-8) + c per block  =>  x @ W.T = x @ (d*(q-8)).T + blocksum(x) @ c.T   (exact in real arithmetic)
-            xb = g.op("Reshape", [x, g.const([1, -1, p.n_blocks, p.block_size])])
-            s = g.op("ReduceSum", [xb, g.const([-1])], keepdims=0)  # (1, T, K/32)
+            xb = g.op("Reshape", [x, g.const([-1, p.n_blocks, p.block_size])])
+            s = g.op("ReduceSum", [xb, g.const([-1])], keepdims=0)  # (T, K/32); MatMul + Add become one Gemm
             ct = g.init(name + ".block_offset_t", np.ascontiguousarray(p.block_offset.T))  # (K/32, N)
             y = g.op("Add", [y, g.op("MatMul", [s, ct])])
         self.report.weight_bytes += p.nbytes()
@@ -170,10 +169,16 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
     rows = g.op("Gather", [table, "input_ids"], axis=0)  # (T, C/32, 32)
     rs = g.op("Gather", [escale, "input_ids"], axis=0)  # (T, C/32, 1)
     e = g.op("Mul", [g.op("Sub", [g.op("Cast", [rows], to=TP.FLOAT), g.const(128.0, np.float32)]), rs])
-    h = g.op("Reshape", [e, g.const([1, -1, C])])  # (1, T, C) residual stream
+    h = g.op("Reshape", [e, g.const([-1, C])])  # (T, C) residual stream
 
-    # --- past KV, dequantized once for all layers: (P, L, 2KVH, D) float
-    past = g.op("Mul", [g.op("Cast", ["past_kv"], to=TP.FLOAT), "past_scale"])
+    # --- once per call: the past in attention (head-major) layout, and the sequence lengths GQA wants
+    past_t = g.op("Transpose", ["past_kv"], perm=[1, 2, 0, 3])  # (L, 2KVH, P, D) int8: one int8 pass
+    scale_t = g.op("Transpose", ["past_scale"], perm=[1, 2, 0, 3])  # (L, 2KVH, P, 1)
+    total = g.op("ReduceSum", [g.op("Concat", [g.op("Shape", ["past_kv"], start=0, end=1),
+                                               g.op("Shape", ["input_ids"], start=0, end=1)], axis=0)], keepdims=1)
+    total = g.op("Cast", [total], to=TP.INT32)  # (1,) P + T
+    seqlens_k = g.op("Sub", [total, g.const([1], np.int32)])  # (1,) index of the last key
+    total_len = g.op("Squeeze", [total])  # () P + T
     cos, sin = _rope_tables(cfg, opts.max_context)
     cos_c, sin_c = g.init("rope.cos", cos), g.init("rope.sin", sin)
     q_scale = 1.0 / np.sqrt(D)
@@ -186,33 +191,36 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
             progress(i, L, f"layer {i}")
         # attention
         qkv_p = _pack(model, [layer_tensor(i, n) for n in ("attn_q", "attn_k", "attn_v")], C, opts.scheme, report)
-        if fold_q_scale:  # 1/sqrt(D) is a power of two: scaling d and m is exact
+        if fold_q_scale:  # 1/sqrt(D) is a power of two: scaling d and the offset is exact
             qkv_p.scales[: H * D * (C // qkv_p.block_size)] *= np.float32(q_scale)
             if qkv_p.block_offset is not None:
                 qkv_p.block_offset[: H * D] *= np.float32(q_scale)
-        qkv = lin.add(x, qkv_p, f"blk.{i}.attn_qkv")  # (1, T, (H + 2KVH) D)
-        qk, v = g.op("Split", [qkv, g.const([(H + KVH) * D, KVH * D])], n_out=2, axis=-1)
-        qk = g.op("RotaryEmbedding", [qk, "position_ids", cos_c, sin_c], domain="com.microsoft", interleaved=1)
-        q, k = g.op("Split", [qk, g.const([H * D, KVH * D])], n_out=2, axis=-1)
+        qkv = lin.add(x, qkv_p, f"blk.{i}.attn_qkv")  # (T, (H + 2KVH) D)
+        qkv = g.op("Reshape", [qkv, g.const([1, -1, (H + 2 * KVH) * D])])  # (1, T, .): RoPE and GQA want a batch
+        q, k, v = g.op("Split", [qkv, g.const([H * D, KVH * D, KVH * D])], n_out=3, axis=-1)
+        q = g.op("RotaryEmbedding", [q, "position_ids", cos_c, sin_c], domain="com.microsoft", interleaved=1)
+        k = g.op("RotaryEmbedding", [k, "position_ids", cos_c, sin_c], domain="com.microsoft", interleaved=1)
+        kv = g.op("Reshape", [g.op("Concat", [k, v], axis=-1), g.const([-1, 1, 2 * KVH, D])])  # (T, 1, 2KVH, D)
+        # int8 per (token, head): scale = max(absmax/127, floor); q = round_half_even(x / scale)
+        amax = g.op("ReduceMax", [g.op("Abs", [kv]), g.const([-1])], keepdims=1)  # (T, 1, 2KVH, 1)
+        scale = g.op("Max", [g.op("Mul", [amax, g.const(1.0 / 127.0, np.float32)]), g.const(KV_SCALE_FLOOR, np.float32)])
+        kv_q = g.op("QuantizeLinear", [kv, scale], axis=3, block_size=D, output_dtype=TP.INT8)
+        presents.append(kv_q)
+        pscales.append(scale)
+        # this call's tokens attend to their K/V after the int8 round trip, exactly as later tokens will see them
+        kv_dq = g.op("Reshape", [g.op("Mul", [g.op("Cast", [kv_q], to=TP.FLOAT), scale]), g.const([1, -1, 2 * KVH * D])])
+        k, v = g.op("Split", [kv_dq, g.const([KVH * D, KVH * D])], n_out=2, axis=-1)
+        past = []
+        for lo, hi in ((0, KVH), (KVH, 2 * KVH)):  # K heads, V heads of layer i: (1, KVH, P, D) float
+            st, en, ax = g.const([i, lo]), g.const([i + 1, hi]), g.const([0, 1])
+            # Cast + Mul: ORT's blocked DequantizeLinear is several times slower here (measured)
+            past.append(g.op("Mul", [g.op("Cast", [g.op("Slice", [past_t, st, en, ax])], to=TP.FLOAT),
+                                     g.op("Slice", [scale_t, st, en, ax])]))
         if not fold_q_scale:
             q = g.op("Mul", [q, g.const(q_scale, np.float32)])
-        kv = g.op("Reshape", [g.op("Concat", [k, v], axis=-1), g.const([-1, 2 * KVH, D])])  # (T, 2KVH, D)
-        amax = g.op("ReduceMax", [g.op("Abs", [kv]), g.const([-1])], keepdims=1)  # (T, 2KVH, 1)
-        scale = g.op("Max", [g.op("Mul", [amax, g.const(1.0 / 127.0, np.float32)]), g.const(KV_SCALE_FLOOR, np.float32)])
-        kv_q = g.op("Cast", [g.op("Round", [g.op("Div", [kv, scale])])], to=TP.INT8)
-        kv_dq = g.op("Mul", [g.op("Cast", [kv_q], to=TP.FLOAT), scale])
-        presents.append(g.op("Unsqueeze", [kv_q, g.const([1])]))
-        pscales.append(g.op("Unsqueeze", [scale, g.const([1])]))
-        past_i = g.op("Gather", [past, g.const(i)], axis=1)  # (P, 2KVH, D)
-        kv_all = g.op("Concat", [past_i, kv_dq], axis=0)  # (S, 2KVH, D)
-        k_all, v_all = g.op("Split", [kv_all, g.const([KVH, KVH])], n_out=2, axis=1)  # (S, KVH, D) each
-        kt = g.op("Reshape", [g.op("Transpose", [k_all], perm=[1, 2, 0]), g.const([KVH, 1, D, -1])])  # (KVH,1,D,S)
-        vt = g.op("Reshape", [g.op("Transpose", [v_all], perm=[1, 0, 2]), g.const([KVH, 1, -1, D])])  # (KVH,1,S,D)
-        qh = g.op("Transpose", [g.op("Reshape", [q, g.const([-1, KVH, G, D])])], perm=[1, 2, 0, 3])  # (KVH,G,T,D)
-        scores = g.op("Add", [g.op("MatMul", [qh, kt]), "attn_bias"])  # (KVH, G, T, S)
-        probs = g.op("Softmax", [scores], axis=-1)
-        ctx = g.op("Transpose", [g.op("MatMul", [probs, vt])], perm=[2, 0, 1, 3])  # (T, KVH, G, D)
-        ctx = g.op("Reshape", [ctx, g.const([1, -1, H * D])])
+        ctx = g.op("GroupQueryAttention", [q, k, v, past[0], past[1], seqlens_k, total_len], n_out=3,
+                   domain="com.microsoft", num_heads=H, kv_num_heads=KVH, scale=1.0)[0]  # (1, T, H*D), causal
+        ctx = g.op("Reshape", [ctx, g.const([-1, H * D])])
         o = lin.add(ctx, _pack(model, [layer_tensor(i, "attn_output")], H * D, opts.scheme, report), f"blk.{i}.attn_output")
         x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [o, h, g.init(f"blk.{i}.ffn_norm", f32(layer_tensor(i, "ffn_norm")))],
                           n_out=4, domain="com.microsoft", epsilon=cfg.norm_eps)
@@ -227,7 +235,7 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
         x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [f, h, g.init(nxt, nxt_w)], n_out=4, domain="com.microsoft",
                           epsilon=cfg.norm_eps)
     # --- head: logits only from logits_from on (T-1: the last position)
-    last = g.op("Slice", [x, "logits_from", g.const([np.iinfo(np.int64).max]), g.const([1])])
+    last = g.op("Slice", [x, "logits_from", g.const([np.iinfo(np.int64).max]), g.const([0])])
     if opts.embedding == "q8_0":
         head = emb
         ins = [last, table, g.init("lm_head.scales", emb.scales)]
@@ -236,10 +244,9 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
         ins = [last, g.init("lm_head.qweight", head.qweight), g.init("lm_head.scales", head.scales),
                g.init("lm_head.zero_points", head.zero_points)]
     report.errors["lm_head"] = quant.error(head, model.dequantized("token_embd.weight"))
-    logits = g.op("MatMulNBits", ins, domain="com.microsoft", K=C, N=cfg.vocab, bits=head.bits, block_size=head.block_size,
-                  accuracy_level=opts.accuracy_level)
+    g.nodes.append(g.h.make_node("MatMulNBits", ins, ["logits"], name="lm_head", domain="com.microsoft", K=C, N=cfg.vocab,
+                                 bits=head.bits, block_size=head.block_size, accuracy_level=opts.accuracy_level))
     report.weight_bytes += head.nbytes()
-    g.nodes.append(g.h.make_node("Reshape", [logits, g.const([-1, cfg.vocab])], ["logits"], name="logits"))
     g.nodes.append(g.h.make_node("Concat", presents, ["present_kv"], axis=1, name="present_kv"))
     g.nodes.append(g.h.make_node("Concat", pscales, ["present_scale"], axis=1, name="present_scale"))
 
@@ -247,7 +254,6 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
     inputs = [
         vi("input_ids", TP.INT64, ["T"]),
         vi("position_ids", TP.INT64, [1, "T"]),
-        vi("attn_bias", TP.FLOAT, ["T", "S"]),
         vi("past_kv", TP.INT8, ["P", L, 2 * KVH, D]),
         vi("past_scale", TP.FLOAT, ["P", L, 2 * KVH, 1]),
         vi("logits_from", TP.INT64, [1]),

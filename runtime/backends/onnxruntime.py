@@ -36,16 +36,9 @@ class OrtBackend:
         log.info("onnxruntime %s session: %s, %d threads", ort.__version__, provider, threads)
 
     def forward(self, ids: np.ndarray, start: int, past_kv: np.ndarray, past_scale: np.ndarray, logits_from: int):
-        T = ids.shape[0]
-        S = start + T
-        if T == 1:
-            bias = np.zeros((1, S), np.float32)
-        else:  # query i (position start+i) sees keys 0..start+i
-            bias = np.triu(np.full((T, S), -np.inf, np.float32), start + 1)
         feeds = {
             "input_ids": ids,
-            "position_ids": np.arange(start, S, dtype=np.int64)[None],
-            "attn_bias": bias,
+            "position_ids": np.arange(start, start + ids.shape[0], dtype=np.int64)[None],
             "past_kv": past_kv,
             "past_scale": past_scale,
             "logits_from": np.array([logits_from], np.int64),
