@@ -27,8 +27,13 @@ KV_CACHE = {
 
 def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend: str = "onnxruntime",
                    scheme: str = "q4_1-exact", embedding: str = "q8_0", accuracy_level: int = 4,
-                   max_context: int | None = None, progress: Callable[[int, int, str], None] | None = None):
-    """Build into out_dir (replaced atomically); returns (Manifest, models.export_onnx.ExportReport)."""
+                   max_context: int | None = None, optimize: bool | None = None,
+                   progress: Callable[[int, int, str], None] | None = None):
+    """Build into out_dir (replaced atomically); returns (Manifest, models.export_onnx.ExportReport).
+
+    optimize: also run ONNX Runtime's graph optimizer now and ship its result, so the board loads
+    faster (about 0.3 s less for SmolLM2); None = only when building for the board this runs on.
+    """
     import boards
     from runtime.artifact import write_manifest
 
@@ -56,6 +61,11 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
                                                    max_context=ctx), progress=progress)
     files = save(proto, tmp)
     del proto
+    graph_info = {"file": files[0]}
+    if optimize is None:
+        optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
+    if optimize:
+        files, graph_info = _optimize_graph(tmp, files)
     (tmp / "tokenizer.json").write_text(build_tokenizer(src.tokenizer).to_str(), encoding="utf-8")
     files.append("tokenizer.json")
     s = quant.SCHEMES[scheme]
@@ -70,7 +80,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
                          "embedding": embedding, "accuracy_level": accuracy_level},
         "kv_cache": dict(KV_CACHE),
         "backend": backend,
-        "graph": {"file": "model.onnx"},
+        "graph": graph_info,
         "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
         "max_context": ctx,
     }
@@ -81,3 +91,21 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     log.info("artifact %s ready in %.1f s (%.1f MiB)", out_dir, time.monotonic() - t0,
              sum(f["size"] for f in manifest.files.values()) / 2**20)
     return manifest, report
+
+
+def _optimize_graph(art_dir: Path, files: list[str]) -> tuple[list[str], dict]:
+    """Replace the portable graph with ONNX Runtime's optimized one (fused ops, folded constants)."""
+    import onnxruntime as ort
+
+    graph, data = "model.opt.onnx", "model.opt.onnx.data"
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(art_dir / graph)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(art_dir / files[0]), so, providers=["CPUExecutionProvider"])
+    for f in files:
+        (art_dir / f).unlink()
+    log.info("saved ONNX Runtime %s's optimized graph", ort.__version__)
+    return [graph, data], {"file": graph, "optimized_by": f"onnxruntime {ort.__version__}"}

@@ -59,6 +59,7 @@ class Manifest:
     kv_cache: dict  # scheme description: dtype, scale, layout
     backend: str
     graph_file: str
+    graph_optimized_by: str | None  # "onnxruntime X.Y.Z" when the graph is already optimized
     target: Target
     max_context: int
     files: dict  # name -> {"size": int, "sha256": str}
@@ -74,7 +75,8 @@ class Manifest:
             "quantization": dict(self.quantization.__dict__),
             "kv_cache": dict(self.kv_cache),
             "backend": self.backend,
-            "graph": {"file": self.graph_file},
+            "graph": {"file": self.graph_file, **({"optimized_by": self.graph_optimized_by}
+                                                   if self.graph_optimized_by else {})},
             "target": dict(self.target.__dict__),
             "max_context": self.max_context,
             "files": {k: dict(v) for k, v in self.files.items()},
@@ -132,6 +134,7 @@ def parse_manifest(d: Any) -> Manifest:
         kv_cache=_get(d, "kv_cache", dict),
         backend=backend,
         graph_file=_get(d, "graph.file", str),
+        graph_optimized_by=_get(d, "graph", dict).get("optimized_by"),
         target=Target(board=_get(t, "board", str, "target"), triple=_get(t, "triple", str, "target"),
                       cuda_arch=t.get("cuda_arch")),
         max_context=_get(d, "max_context", int),

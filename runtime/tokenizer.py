@@ -7,6 +7,7 @@ for special tokens (``encode_chat``).
 from __future__ import annotations
 
 import codecs
+import threading
 from functools import lru_cache
 
 _PLACEHOLDER = "\ue000boardtalk-msg-{}\ue001"  # private-use code points: no template emits them
@@ -32,34 +33,52 @@ class Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError as e:  # pragma: no cover
             raise ImportError("the runtime needs 'tokenizers': pip install tokenizers") from e
-        self._special = HFTokenizer.from_str(tokenizer_json)  # parses control tokens (template markup)
-        self._plain = HFTokenizer.from_str(tokenizer_json)
-        self._plain.encode_special_tokens = True  # control-token text is just text
-        vocab = self._special.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1
-        added = self._special.get_added_tokens_decoder()
+        self._hf = HFTokenizer.from_str(tokenizer_json)
+        self._lock = threading.Lock()  # encode_special_tokens is a switch on the shared object
+        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        added = self._hf.get_added_tokens_decoder()
         self.special_ids = set(special_ids or ()) | {i for i, t in added.items() if t.special}
-        bd = _byte_decoder()
-        self.token_bytes: list[bytes] = [b""] * self.vocab_size
-        for tok, i in vocab.items():
+        self._bytes: dict[int, bytes] = {}  # id -> bytes, filled lazily (an eager table costs ~0.1 s at load)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes a token stands for; b"" for control tokens."""
+        b = self._bytes.get(i)
+        if b is None:
             if i in self.special_ids:
-                continue  # control tokens produce no text
-            self.token_bytes[i] = bytes(bd[c] for c in tok) if all(c in bd for c in tok) else tok.encode("utf-8")
+                b = b""
+            else:
+                piece = self._hf.id_to_token(i)
+                if piece is None:
+                    raise ValueError(f"token id {i} is not in the vocabulary")
+                bd = _byte_decoder()
+                try:
+                    b = bytes(bd[c] for c in piece)
+                except KeyError:  # not a byte-level symbol string
+                    b = piece.encode("utf-8")
+            self._bytes[i] = b
+        return b
+
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        with self._lock:
+            self._hf.encode_special_tokens = not specials
+            return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
         """Ids of plain text; special-token strings are encoded as ordinary text."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._encode(text, specials=False)
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Ids of trusted text (template markup) where special-token strings become their ids."""
-        return self._special.encode(text, add_special_tokens=False).ids
+        return self._encode(text, specials=True)
 
     def id_to_piece(self, i: int) -> str:
-        return self._special.id_to_token(i)
+        return self._hf.id_to_token(i)
 
     def decode(self, ids) -> str:
         """Text of ids, control tokens left out; invalid UTF-8 becomes U+FFFD."""
-        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     def detokenizer(self) -> "Detokenizer":
         return Detokenizer(self)
@@ -73,7 +92,7 @@ class Detokenizer:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        return self._dec.decode(self._bytes[token_id])
+        return self._dec.decode(self._bytes(token_id))
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)

@@ -12,5 +12,6 @@ def open_backend(manifest, art_dir, threads: int, provider: str):
     if manifest.backend == "onnxruntime":
         from .onnxruntime import OrtBackend
 
-        return OrtBackend(art_dir / manifest.graph_file, threads=threads, provider=provider)
+        return OrtBackend(art_dir / manifest.graph_file, threads=threads, provider=provider,
+                          optimized_by=manifest.graph_optimized_by)
     raise NotImplementedError(f"backend {manifest.backend!r} is not available in this runtime build")

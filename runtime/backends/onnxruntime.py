@@ -18,13 +18,16 @@ def _ort():
 
 
 class OrtBackend:
-    def __init__(self, graph: Path, threads: int, provider: str = "CPUExecutionProvider"):
+    def __init__(self, graph: Path, threads: int, provider: str = "CPUExecutionProvider", optimized_by: str | None = None):
         ort = _ort()
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # A graph this ORT version already optimized at build time needs no second pass (faster load).
+        done = optimized_by == f"onnxruntime {ort.__version__}" and provider == "CPUExecutionProvider"
+        so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if done
+                                       else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
         so.log_severity_level = 3
         available = ort.get_available_providers()
         if provider not in available:
