@@ -28,12 +28,16 @@ def test_good_artifact_loads(art):
     assert m.manifest.format_version == 1 and m.manifest.backend == "onnxruntime"
 
 
+def _graph(d):
+    return yaml.safe_load((d / "manifest.yaml").read_text())["graph"]["file"]
+
+
 def test_flipped_byte_is_rejected(art):
-    p = art / "model.onnx.data"
+    p = art / (_graph(art) + ".data")
     b = bytearray(p.read_bytes())
     b[len(b) // 2] ^= 0x01
     p.write_bytes(bytes(b))
-    with pytest.raises(ArtifactError, match=r"model\.onnx\.data: sha256 .* manifest says .* tampered"):
+    with pytest.raises(ArtifactError, match=r"\.onnx\.data: sha256 .* manifest says .* tampered"):
         runtime.load(art)
 
 
@@ -45,14 +49,16 @@ def test_truncated_file_is_rejected(art):
 
 
 def test_missing_file_is_rejected(art):
-    (art / "model.onnx").unlink()
-    with pytest.raises(ArtifactError, match="file model.onnx listed in the manifest is missing"):
+    g = _graph(art)
+    (art / g).unlink()
+    with pytest.raises(ArtifactError, match=f"file {g} listed in the manifest is missing"):
         runtime.load(art)
 
 
 def test_unlisted_graph_is_rejected(art):
-    _edit_manifest(art, lambda m: m["files"].pop("model.onnx"))
-    with pytest.raises(ArtifactError, match="model.onnx is used but not listed"):
+    g = _graph(art)
+    _edit_manifest(art, lambda m: m["files"].pop(g))
+    with pytest.raises(ArtifactError, match=f"{g} is used but not listed"):
         runtime.load(art)
 
 
