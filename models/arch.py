@@ -150,3 +150,11 @@ def read_gguf(path: str | Path) -> GGUFModel:
 def layer_tensor(layer: int, what: str) -> str:
     """GGUF tensor name of one per-layer weight: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down, attn_norm, ffn_norm."""
     return f"blk.{layer}.{what}.weight"
+
+
+def rope_tables(cfg: LlamaConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (n_pos, head_dim/2) float32 for adjacent-pair ("normal", GGUF llama) rotary embedding."""
+    half = cfg.head_dim // 2
+    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
+    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)

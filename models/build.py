@@ -17,6 +17,7 @@ from .sources import resolve_gguf, sha256_file
 log = logging.getLogger(__name__)
 
 TOOL_VERSION = "boardtalk 0.1.0"
+BACKENDS = ("onnxruntime", "native")
 KV_CACHE = {
     "scheme": "int8-absmax-per-token-head",
     "dtype": "int8",
@@ -41,8 +42,8 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     from .tokenizer import build_tokenizer, stop_ids
 
     profile = boards.get(board)
-    if backend != "onnxruntime":
-        raise NotImplementedError(f"backend {backend!r}: only onnxruntime is built so far (TVM is its own issue)")
+    if backend not in BACKENDS:
+        raise NotImplementedError(f"backend {backend!r}: known backends are {', '.join(BACKENDS)} (TVM is its own issue)")
     if scheme not in quant.SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(quant.SCHEMES)}")
     t0 = time.monotonic()
@@ -57,15 +58,19 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
-                                                   max_context=ctx), progress=progress)
-    files = save(proto, tmp)
-    del proto
-    graph_info = {"file": files[0]}
-    if optimize is None:
-        optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
-    if optimize:
-        files, graph_info = _optimize_graph(tmp, files)
+    if backend == "native":
+        files, report = _native_files(src, gguf_path, tmp, scheme, embedding, progress)
+        graph_info = {"file": files[0], "index": files[1]}
+    else:
+        proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
+                                                       max_context=ctx), progress=progress)
+        files = save(proto, tmp)
+        del proto
+        graph_info = {"file": files[0]}
+        if optimize is None:
+            optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
+        if optimize:
+            files, graph_info = _optimize_graph(tmp, files)
     (tmp / "tokenizer.json").write_text(build_tokenizer(src.tokenizer).to_str(), encoding="utf-8")
     files.append("tokenizer.json")
     s = quant.SCHEMES[scheme]
@@ -109,3 +114,38 @@ def _optimize_graph(art_dir: Path, files: list[str]) -> tuple[list[str], dict]:
         (art_dir / f).unlink()
     log.info("saved ONNX Runtime %s's optimized graph", ort.__version__)
     return [graph, data], {"file": graph, "optimized_by": f"onnxruntime {ort.__version__}"}
+
+
+def _native_files(src, gguf_path: Path, out: Path, scheme: str, embedding: str, progress):
+    """The native backend runs on the GGUF's own blocks: copy the file, index its tensors."""
+    import json
+
+    from .export_onnx import ExportReport
+
+    if scheme != "q4_1-exact" or embedding != "q8_0":
+        raise ValueError("the native backend runs GGUF Q4_1 weights as stored (scheme q4_1-exact, embedding q8_0)")
+    if not src.config.tie_embeddings:
+        raise NotImplementedError("untied output layers are not supported by the native backend yet")
+    want = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32"}
+    for i in range(src.config.n_layers):
+        want.update({f"blk.{i}.{n}.weight": "F32" for n in ("attn_norm", "ffn_norm")})
+        want.update({f"blk.{i}.{n}.weight": "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                            "ffn_up", "ffn_down")})
+    index = {}
+    for name, typ in want.items():
+        t = src.tensors.get(name)
+        if t is None or t.tensor_type.name != typ:
+            found = "missing" if t is None else t.tensor_type.name
+            raise ValueError(f"native backend needs {name} as {typ}, the GGUF has {found}; use --backend onnxruntime")
+        index[name] = [int(t.data_offset), int(t.n_bytes), typ]
+    if progress:
+        progress(0, 1, "copy GGUF")
+    shutil.copyfile(gguf_path, out / "model.gguf")
+    (out / "native.json").write_text(json.dumps({"tensors": index}, indent=0), encoding="utf-8")
+    if progress:
+        progress(1, 1, "indexed")
+    report = ExportReport(weight_bytes=sum(v[1] for v in index.values()), n_nodes=0)
+    from . import quant
+
+    report.errors["lm_head"] = quant.QuantError(0.0, 0.0)
+    return ["model.gguf", "native.json"], report

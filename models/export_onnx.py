@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from . import quant
-from .arch import GGUFModel, LlamaConfig, layer_tensor
+from .arch import GGUFModel, LlamaConfig, layer_tensor, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,6 @@ class _Graph:
         outs = [self.name(op_type.lower()) for _ in range(n_out)]
         self.nodes.append(self.h.make_node(op_type, list(inputs), outs, name=self.name("n_" + op_type), domain=domain, **attrs))
         return outs[0] if n_out == 1 else outs
-
-
-def _rope_tables(cfg: LlamaConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin (n_pos, head_dim/2) for adjacent-pair ("normal", GGUF-llama) rotary embedding."""
-    half = cfg.head_dim // 2
-    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
-    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 class _Linears:
@@ -179,7 +171,7 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
     total = g.op("Cast", [total], to=TP.INT32)  # (1,) P + T
     seqlens_k = g.op("Sub", [total, g.const([1], np.int32)])  # (1,) index of the last key
     total_len = g.op("Squeeze", [total])  # () P + T
-    cos, sin = _rope_tables(cfg, opts.max_context)
+    cos, sin = rope_tables(cfg, opts.max_context)
     cos_c, sin_c = g.init("rope.cos", cos), g.init("rope.sin", sin)
     q_scale = 1.0 / np.sqrt(D)
     fold_q_scale = float(np.log2(q_scale)).is_integer()

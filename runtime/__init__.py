@@ -52,7 +52,7 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     if max_context and max_context > m.max_context:
         log.warning("max_context %d exceeds the artifact's %d; using %d", max_context, m.max_context, ctx)
     tok = Tokenizer((art / m.tokenizer_file).read_text(encoding="utf-8"))
-    backend = open_backend(m, art, profile.resolved_threads(), profile.provider)
+    backend = open_backend(m, art, profile.resolved_threads(), profile.provider, ctx)
     model = Model(m, backend, tok, ctx, profile)
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
              m.quantization.scheme, profile.name, time.monotonic() - t0, ctx, model.cache.bytes_per_position)

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.yaml"
-BACKENDS = ("onnxruntime", "tvm")
+BACKENDS = ("onnxruntime", "native", "tvm")
 
 
 class ArtifactError(ValueError):

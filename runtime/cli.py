@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="turn a model into an artifact for a board",
                        description="Convert a registered model (or a local .gguf) into a verified INT4 artifact.")
     b.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(MODELS)}) or path to a .gguf")
-    b.add_argument("--backend", default="onnxruntime", choices=["onnxruntime"], help="runtime backend")
+    b.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "native"],
+                   help="runtime backend: onnxruntime (portable graph) or native (C kernels over the GGUF blocks)")
     b.add_argument("--board", default="host", choices=list(boards.PROFILES), help="target board profile")
     b.add_argument("--out", help="artifact directory (default: the cache's default artifact path)")
     b.add_argument("--scheme", default="q4_1-exact", choices=list(SCHEMES), help="linear-layer quantization")

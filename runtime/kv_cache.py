@@ -40,8 +40,9 @@ class KVCache:
         n, t = len(self.tokens), len(ids)
         if n + t > self.max_seq:
             raise ContextOverflow(f"KV cache full: {n} + {t} tokens > max context {self.max_seq}")
-        self.kv[n : n + t] = kv
-        self.scale[n : n + t] = scale
+        if not np.may_share_memory(kv, self.kv):  # a backend that wrote the rows in place needs no copy
+            self.kv[n : n + t] = kv
+            self.scale[n : n + t] = scale
         self.tokens.extend(int(i) for i in ids)
 
     def rewind_to(self, n: int) -> None:

@@ -83,12 +83,11 @@ class Model:
 
     # ---- named steps -------------------------------------------------------------------------
     def _forward(self, ids: list[int], logits_from: int) -> np.ndarray:
-        past_kv, past_scale = self.cache.view()
         start = len(self.cache)
         if start + len(ids) > self.cache.max_seq:
             raise ContextOverflow(f"{start} cached + {len(ids)} new tokens exceed the context of {self.cache.max_seq}")
         arr = np.asarray(ids, np.int64)
-        logits, kv, scale = self.backend.forward(arr, start, past_kv, past_scale, logits_from)
+        logits, kv, scale = self.backend.forward(arr, start, self.cache.kv, self.cache.scale, logits_from)
         self.cache.append(ids, kv, scale)
         return logits
 

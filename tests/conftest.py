@@ -29,20 +29,33 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
 
 
-@pytest.fixture(scope="session")
-def tiny_artifact(tiny_gguf, tmp_path_factory, board_name):
+BACKENDS = ["onnxruntime", "native"]
+
+
+def _build(src, tmp_path_factory, board, backend, name, **kw):
     from models.build import build_artifact
 
-    out = tmp_path_factory.mktemp("art") / "tiny-art"
-    build_artifact(str(tiny_gguf), out, board=board_name, max_context=128)
+    out = tmp_path_factory.mktemp(name) / name
+    build_artifact(str(src), out, board=board, backend=backend, **kw)
     return out
 
 
-@pytest.fixture()
-def tiny_model(tiny_artifact):
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_gguf, tmp_path_factory, board_name):
+    return {b: _build(tiny_gguf, tmp_path_factory, board_name, b, f"tiny-{b}", max_context=128) for b in BACKENDS}
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_artifacts):
+    return tiny_artifacts["onnxruntime"]
+
+
+@pytest.fixture(params=BACKENDS)
+def tiny_model(request, tiny_artifacts):
+    """The tiny model on each backend: behaviour tests run on both."""
     import runtime
 
-    return runtime.load(tiny_artifact)
+    return runtime.load(tiny_artifacts[request.param])
 
 
 @pytest.fixture(scope="session")
@@ -53,16 +66,5 @@ def real_gguf():
 
 
 @pytest.fixture(scope="session")
-def real_artifact(real_gguf, tmp_path_factory, board_name):
-    from models.build import build_artifact
-
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    build_artifact(str(real_gguf), out, board=board_name, max_context=1024)
-    return out
-
-
-@pytest.fixture(scope="session")
-def real_model(real_artifact):
-    import runtime
-
-    return runtime.load(real_artifact)
+def real_artifacts(real_gguf, tmp_path_factory, board_name):
+    return {b: _build(real_gguf, tmp_path_factory, board_name, b, f"real-{b}", max_context=512) for b in BACKENDS}

@@ -38,12 +38,12 @@ class OrtBackend:
         self._outputs = ["logits", "present_kv", "present_scale"]
         log.info("onnxruntime %s session: %s, %d threads", ort.__version__, provider, threads)
 
-    def forward(self, ids: np.ndarray, start: int, past_kv: np.ndarray, past_scale: np.ndarray, logits_from: int):
+    def forward(self, ids: np.ndarray, start: int, kv: np.ndarray, scale: np.ndarray, logits_from: int):
         feeds = {
             "input_ids": ids,
             "position_ids": np.arange(start, start + ids.shape[0], dtype=np.int64)[None],
-            "past_kv": past_kv,
-            "past_scale": past_scale,
+            "past_kv": kv[:start],  # contiguous views of the live prefix: no copy
+            "past_scale": scale[:start],
             "logits_from": np.array([logits_from], np.int64),
         }
         return self.session.run(self._outputs, feeds)

@@ -1,0 +1,96 @@
+"""Native backend: one C call per forward pass over the GGUF's own Q4_1/Q8_0 blocks (runtime/native/bt_native.c).
+
+The artifact carries the source GGUF (memory-mapped, never copied or re-rounded) and
+``native.json``, the byte offset and type of every tensor in it. K/V are written straight
+into the runtime's int8 cache.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+MAX_T = 256  # tokens per native call (scratch size); longer calls are split
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
+                                               "max_seq")] + [("norm_eps", ctypes.c_float), ("q_scale", ctypes.c_float)]
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [("tok_embd", ctypes.c_void_p), ("output_norm", ctypes.c_void_p), ("rope_cos", ctypes.c_void_p),
+                ("rope_sin", ctypes.c_void_p)] + [(n, ctypes.POINTER(ctypes.c_void_p)) for n in (
+                    "attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "wgate", "wup", "wdown")]
+
+
+LINEARS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "wgate": "ffn_gate", "wup": "ffn_up",
+           "wdown": "ffn_down"}
+
+
+class NativeBackend:
+    def __init__(self, gguf: Path, index: Path, arch: dict, max_seq: int, threads: int):
+        from runtime.native import library
+
+        self.lib = library()
+        self.threads = threads
+        self.vocab = int(arch["vocab"])
+        self.data = np.memmap(gguf, dtype=np.uint8, mode="r")
+        tensors = json.loads(index.read_text(encoding="utf-8"))["tensors"]
+        base = self.data.ctypes.data
+        L = int(arch["n_layers"])
+
+        def ptr(name: str, want: str) -> int:
+            off, nbytes, typ = tensors[name]
+            if typ != want or off + nbytes > self.data.size:
+                raise ValueError(f"native.json: {name} is {typ} at {off}+{nbytes}, expected {want} inside the GGUF")
+            return base + off
+
+        self.cfg = _Config(L, arch["hidden"], arch["n_heads"], arch["n_kv_heads"], arch["head_dim"], arch["ffn"],
+                           self.vocab, max_seq, arch["norm_eps"], 1.0 / np.sqrt(arch["head_dim"]))
+        from models.arch import LlamaConfig, rope_tables  # the same tables as the ONNX graph
+
+        self.cos, self.sin = rope_tables(LlamaConfig.from_dict(arch), max_seq)
+        self._keep = []
+
+        def layer_ptrs(what: str, want: str):
+            arr = (ctypes.c_void_p * L)(*[ptr(f"blk.{i}.{what}.weight", want) for i in range(L)])
+            self._keep.append(arr)
+            return ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
+
+        self.w = _Weights(ptr("token_embd.weight", "Q8_0"), ptr("output_norm.weight", "F32"), self.cos.ctypes.data,
+                          self.sin.ctypes.data, layer_ptrs("attn_norm", "F32"), layer_ptrs("ffn_norm", "F32"),
+                          *[layer_ptrs(t, "Q4_1") for t in LINEARS.values()])
+        self.scratch = self.lib.bt_scratch_new(ctypes.byref(self.cfg), MAX_T)
+        if not self.scratch:
+            raise MemoryError("native backend: could not allocate scratch buffers")
+        log.info("native backend: %s kernels, %d threads", self.lib.bt_simd().decode(), threads)
+
+    def __del__(self):
+        if getattr(self, "scratch", None):
+            self.lib.bt_scratch_free(self.scratch)
+            self.scratch = None
+
+    def forward(self, ids: np.ndarray, start: int, kv: np.ndarray, scale: np.ndarray, logits_from: int):
+        """Writes the K/V of ids into kv/scale rows [start, start+T) in place; returns (logits, those rows)."""
+        T = int(ids.shape[0])
+        out = np.empty((T - logits_from, self.vocab), np.float32)
+        ids = np.ascontiguousarray(ids, np.int64)
+        for c0 in range(0, T, MAX_T):
+            c1 = min(T, c0 + MAX_T)
+            lf = max(logits_from - c0, 0)
+            if c1 - 1 < logits_from:
+                lf = c1 - c0 - 1  # logits not wanted from this chunk: compute only its last row, discard
+                dst = np.empty((1, self.vocab), np.float32)
+            else:
+                dst = out[c0 + lf - logits_from : c1 - logits_from]
+            rc = self.lib.bt_forward(ctypes.byref(self.cfg), ctypes.byref(self.w), self.scratch, ids[c0:c1].ctypes.data,
+                                     c1 - c0, start + c0, kv.ctypes.data, scale.ctypes.data, dst.ctypes.data, lf,
+                                     self.threads)
+            if rc:
+                raise RuntimeError(f"native forward failed (code {rc}) at positions {start + c0}..{start + c1 - 1}")
+        return out, kv[start : start + T], scale[start : start + T]

@@ -1,0 +1,399 @@
+/* boardtalk native backend: a Llama forward pass straight over GGUF Q4_1 / Q8_0 blocks,
+ * with the int8 KV cache written in place.
+ *
+ * Why it exists: through ONNX Runtime the decoder is ~1500 small graph nodes and a decode
+ * step of SmolLM2-135M spends more time dispatching them than reading weights (see
+ * docs/performance.md). Here one call runs the whole model: activations are quantized to
+ * int8 blocks of 32 (d, d*sum) once per matrix, and each weight block is used as stored
+ * (w = d*q + m), so no weight is ever re-rounded.
+ *
+ * Layouts (all row-major, C-contiguous):
+ *   Q4_1 block (20 B): f16 d, f16 m, 16 B nibbles; byte j = q[j] | q[j+16] << 4
+ *   Q8_0 block (34 B): f16 d, 32 x int8
+ *   KV cache: kv (max_seq, L, 2*KVH, D) int8, scale (max_seq, L, 2*KVH) float32,
+ *             K heads first, scale = max(absmax/127, 1e-30), q = round-half-even(x/scale)
+ *   rope cos/sin: (max_pos, D/2) float32, adjacent pairs (x[2i], x[2i+1]) rotated
+ * Threads: OpenMP over output rows and over (token, head) pairs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define BT_AVX2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define BT_NEON 1
+#endif
+
+#define QK 32
+#define BT_MAX_THREADS 64
+#define KV_SCALE_FLOOR 1e-30f
+
+typedef struct {
+    int32_t n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, vocab, max_seq;
+    float norm_eps;
+    float q_scale; /* 1/sqrt(head_dim) */
+} bt_config;
+
+typedef struct { /* pointers into the mmapped GGUF, per layer arrays of L entries */
+    const uint8_t *tok_embd;     /* Q8_0 (vocab, hidden) */
+    const float *output_norm;    /* (hidden) */
+    const float *rope_cos, *rope_sin;
+    const float **attn_norm, **ffn_norm;
+    const uint8_t **wq, **wk, **wv, **wo, **wgate, **wup, **wdown; /* Q4_1 */
+} bt_weights;
+
+typedef struct { float d, s; int8_t qs[QK]; } block_q8; /* activations: s = d * sum(qs) */
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(BT_AVX2)
+    return _cvtsh_ss(h);
+#elif defined(BT_NEON)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else { exp = 127 - 15 + 1; while (!(man & 0x400)) { man <<= 1; exp--; } man &= 0x3ff; bits = sign | (exp << 23) | (man << 13); }
+    } else if (exp == 31) { bits = sign | 0x7f800000 | (man << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* ---------------------------------------------------------------- activation quantization */
+static void quantize_q8(const float *x, block_q8 *y, int K) {
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+        float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) { int q = (int)lrintf(xb[i] * id); y[b].qs[i] = (int8_t)q; sum += q; }
+        y[b].d = d;
+        y[b].s = d * (float)sum;
+    }
+}
+
+/* ---------------------------------------------------------------- dot products */
+static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
+#if defined(BT_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.f;
+    const __m256i lowmask = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++, w += 20) {
+        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask); /* q[0..15] | q[16..31] */
+        __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones); /* 8 x int32 */
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+        accm += m * x[b].s;
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s) + accm;
+#elif defined(BT_NEON)
+    float32x4_t acc = vdupq_n_f32(0.f);
+    float accm = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        uint8x16_t raw = vld1q_u8(w + 4);
+        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
+        int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+        int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+        int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, a0), hi, a1);
+#else
+        int16x8_t p0 = vmull_s8(vget_low_s8(lo), vget_low_s8(a0));
+        p0 = vmlal_s8(p0, vget_high_s8(lo), vget_high_s8(a0));
+        int16x8_t p1 = vmull_s8(vget_low_s8(hi), vget_low_s8(a1));
+        p1 = vmlal_s8(p1, vget_high_s8(hi), vget_high_s8(a1));
+        int32x4_t p = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
+#endif
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
+        accm += m * x[b].s;
+    }
+    return vaddvq_f32(acc) + accm;
+#else
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        int isum = 0;
+        for (int j = 0; j < 16; j++) {
+            isum += (w[4 + j] & 0x0f) * x[b].qs[j] + (w[4 + j] >> 4) * x[b].qs[j + 16];
+        }
+        sum += d * x[b].d * (float)isum + m * x[b].s;
+    }
+    return sum;
+#endif
+}
+
+static float dot_q8_0(const uint8_t *w, const block_q8 *x, int nb) {
+#if defined(BT_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++, w += 34) {
+        const float d = f16_to_f32(rd16(w));
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        /* maddubs needs an unsigned operand: |q| * (a with q's sign) */
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+#elif defined(BT_NEON)
+    float32x4_t acc = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++, w += 34) {
+        const float d = f16_to_f32(rd16(w));
+        int8x16_t q0 = vld1q_s8((const int8_t *)w + 2), q1 = vld1q_s8((const int8_t *)w + 18);
+        int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+        int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), q0, a0), q1, a1);
+#else
+        int16x8_t p0 = vmull_s8(vget_low_s8(q0), vget_low_s8(a0));
+        p0 = vmlal_s8(p0, vget_high_s8(q0), vget_high_s8(a0));
+        int16x8_t p1 = vmull_s8(vget_low_s8(q1), vget_low_s8(a1));
+        p1 = vmlal_s8(p1, vget_high_s8(q1), vget_high_s8(a1));
+        int32x4_t p = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
+#endif
+        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
+    }
+    return vaddvq_f32(acc);
+#else
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 34) {
+        const float d = f16_to_f32(rd16(w));
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += ((const int8_t *)w)[2 + j] * x[b].qs[j];
+        sum += d * x[b].d * (float)isum;
+    }
+    return sum;
+#endif
+}
+
+#if defined(BT_AVX2)
+/* Four tokens against one Q4_1 row: the row's blocks are unpacked once for all four (prefill). */
+static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out, int stride) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float accm[4] = {0.f, 0.f, 0.f, 0.f};
+    const __m256i lowmask = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++, w += 20) {
+        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask);
+        for (int t = 0; t < 4; t++) {
+            const block_q8 *xb = x + (size_t)t * nb + b;
+            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[t]);
+            accm[t] += m * xb->s;
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        out[(size_t)t * stride] = _mm_cvtss_f32(s) + accm[t];
+    }
+}
+#endif
+
+/* y[t][row0 + n] = W[n] . x[t] for n < N, t < T; W rows of nb blocks of bsize bytes. */
+static void matmul(float *y, int ldy, int row0, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8_0) {
+    const int bsize = q8_0 ? 34 : 20;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *wr = W + (size_t)n * nb * bsize;
+        int t = 0;
+#if defined(BT_AVX2)
+        if (!q8_0) /* same sums as dot_q4_1, in the same order: prefill and decode agree bit for bit */
+            for (; t + 4 <= T; t += 4) dot_q4_1_x4(wr, xq + (size_t)t * nb, nb, y + (size_t)t * ldy + row0 + n, ldy);
+#endif
+        for (; t < T; t++) {
+            y[(size_t)t * ldy + row0 + n] = q8_0 ? dot_q8_0(wr, xq + (size_t)t * nb, nb) : dot_q4_1(wr, xq + (size_t)t * nb, nb);
+        }
+    }
+}
+
+static void rmsnorm(float *o, const float *x, const float *w, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) o[i] = x[i] * r * w[i];
+}
+
+static void rope(float *x, int n_heads, int D, const float *cs, const float *sn) {
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + h * D;
+        for (int i = 0; i < D / 2; i++) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * cs[i] - b * sn[i];
+            v[2 * i + 1] = a * sn[i] + b * cs[i];
+        }
+    }
+}
+
+static void quantize_head(const float *x, int8_t *q, float *scale, int D) {
+    float amax = 0.f;
+    for (int i = 0; i < D; i++) { float a = fabsf(x[i]); if (a > amax) amax = a; }
+    float s = amax * (1.0f / 127.0f);
+    if (s < KV_SCALE_FLOOR) s = KV_SCALE_FLOOR;
+    for (int i = 0; i < D; i++) q[i] = (int8_t)lrintf(x[i] / s); /* lrintf: round half to even */
+    *scale = s;
+}
+
+/* Scratch for up to max_t tokens per call. */
+typedef struct {
+    int max_t;
+    float *h, *xn, *qkv, *att, *gu, *logits_tmp;
+    block_q8 *xq;
+    float *scores; /* per thread: max_seq */
+} bt_scratch;
+
+void *bt_scratch_new(const bt_config *c, int max_t) {
+    bt_scratch *s = (bt_scratch *)calloc(1, sizeof(bt_scratch));
+    if (!s) return NULL;
+    const int C = c->hidden, QKV = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim, F = c->ffn;
+    const int widest = F > C ? F : C;
+    s->max_t = max_t;
+    s->h = (float *)malloc(sizeof(float) * (size_t)max_t * C);
+    s->xn = (float *)malloc(sizeof(float) * (size_t)max_t * widest);
+    s->qkv = (float *)malloc(sizeof(float) * (size_t)max_t * QKV);
+    s->att = (float *)malloc(sizeof(float) * (size_t)max_t * C);
+    s->gu = (float *)malloc(sizeof(float) * (size_t)max_t * 2 * F);
+    s->xq = (block_q8 *)malloc(sizeof(block_q8) * (size_t)max_t * (widest / QK));
+    s->scores = (float *)malloc(sizeof(float) * (size_t)BT_MAX_THREADS * c->max_seq);
+    if (!s->h || !s->xn || !s->qkv || !s->att || !s->gu || !s->xq || !s->scores) return NULL;
+    return s;
+}
+
+void bt_scratch_free(void *p) {
+    bt_scratch *s = (bt_scratch *)p;
+    if (!s) return;
+    free(s->h); free(s->xn); free(s->qkv); free(s->att); free(s->gu); free(s->xq); free(s->scores);
+    free(s);
+}
+
+/* Run T tokens at positions start..start+T-1. Writes their K/V into the cache rows and the
+ * logits of tokens logits_from..T-1 into logits ((T - logits_from) x vocab). Returns 0 or an error code. */
+int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int64_t *ids, int T, int start,
+               int8_t *kv, float *kv_scale, float *logits, int logits_from, int n_threads) {
+    bt_scratch *s = (bt_scratch *)scratch;
+    if (T < 1 || T > s->max_t) return 1;
+    if (start < 0 || start + T > c->max_seq) return 2;
+    if (logits_from < 0 || logits_from >= T) return 3;
+#ifdef _OPENMP
+    if (n_threads > BT_MAX_THREADS) n_threads = BT_MAX_THREADS;
+    if (n_threads > 0) omp_set_num_threads(n_threads);
+#endif
+    const int C = c->hidden, H = c->n_heads, KVH = c->n_kv_heads, D = c->head_dim, F = c->ffn, L = c->n_layers;
+    const int G = H / KVH, QKV = (H + 2 * KVH) * D, nbC = C / QK, nbF = F / QK, row = L * 2 * KVH;
+    for (int t = 0; t < T; t++) { /* embedding: Q8_0 row */
+        if (ids[t] < 0 || ids[t] >= c->vocab) return 4;
+        const uint8_t *e = w->tok_embd + (size_t)ids[t] * nbC * 34;
+        for (int b = 0; b < nbC; b++) {
+            const float d = f16_to_f32(rd16(e + b * 34));
+            for (int j = 0; j < QK; j++) s->h[t * C + b * QK + j] = d * (float)((const int8_t *)e)[b * 34 + 2 + j];
+        }
+    }
+    for (int l = 0; l < L; l++) {
+        for (int t = 0; t < T; t++) {
+            rmsnorm(s->xn + t * C, s->h + t * C, w->attn_norm[l], C, c->norm_eps);
+            quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
+        }
+        matmul(s->qkv, QKV, 0, w->wq[l], H * D, s->xq, nbC, T, 0);
+        matmul(s->qkv, QKV, H * D, w->wk[l], KVH * D, s->xq, nbC, T, 0);
+        matmul(s->qkv, QKV, (H + KVH) * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
+        for (int t = 0; t < T; t++) { /* RoPE, then K/V into the int8 cache */
+            const int pos = start + t;
+            float *q = s->qkv + t * QKV;
+            rope(q, H + KVH, D, w->rope_cos + (size_t)pos * (D / 2), w->rope_sin + (size_t)pos * (D / 2));
+            for (int j = 0; j < 2 * KVH; j++) {
+                const size_t r = ((size_t)pos * row + (size_t)l * 2 * KVH + j);
+                quantize_head(q + H * D + j * D, kv + r * D, kv_scale + r, D);
+            }
+        }
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int th = 0; th < T * H; th++) { /* attention of token t, head h over positions 0..start+t */
+            const int t = th / H, h = th % H, kvh = h / G, n = start + t + 1;
+            const float *q = s->qkv + t * QKV + h * D;
+#ifdef _OPENMP
+            float *sc = s->scores + (size_t)omp_get_thread_num() * c->max_seq;
+#else
+            float *sc = s->scores;
+#endif
+            float mx = -INFINITY;
+            for (int p = 0; p < n; p++) {
+                const size_t r = (size_t)p * row + (size_t)l * 2 * KVH + kvh;
+                const int8_t *k = kv + r * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int i = 0; i < D; i++) dot += q[i] * (float)k[i];
+                sc[p] = dot * kv_scale[r] * c->q_scale;
+                if (sc[p] > mx) mx = sc[p];
+            }
+            float sum = 0.f;
+            for (int p = 0; p < n; p++) { sc[p] = expf(sc[p] - mx); sum += sc[p]; }
+            float *o = s->att + t * C + h * D;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int p = 0; p < n; p++) {
+                const size_t r = (size_t)p * row + (size_t)l * 2 * KVH + KVH + kvh;
+                const int8_t *v = kv + r * D;
+                const float wgt = sc[p] / sum * kv_scale[r];
+                for (int i = 0; i < D; i++) o[i] += wgt * (float)v[i];
+            }
+        }
+        for (int t = 0; t < T; t++) quantize_q8(s->att + t * C, s->xq + t * nbC, C);
+        matmul(s->xn, C, 0, w->wo[l], C, s->xq, nbC, T, 0);
+        for (int t = 0; t < T; t++) {
+            for (int i = 0; i < C; i++) s->h[t * C + i] += s->xn[t * C + i];
+            rmsnorm(s->xn + t * C, s->h + t * C, w->ffn_norm[l], C, c->norm_eps);
+            quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
+        }
+        matmul(s->gu, 2 * F, 0, w->wgate[l], F, s->xq, nbC, T, 0);
+        matmul(s->gu, 2 * F, F, w->wup[l], F, s->xq, nbC, T, 0);
+        for (int t = 0; t < T; t++) {
+            float *g = s->gu + (size_t)t * 2 * F, *a = s->xn + (size_t)t * F;
+            for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[F + i];
+            quantize_q8(a, s->xq + t * nbF, F);
+        }
+        matmul(s->att, C, 0, w->wdown[l], C, s->xq, nbF, T, 0);
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < C; i++) s->h[t * C + i] += s->att[t * C + i];
+    }
+    const int NT = T - logits_from;
+    for (int t = 0; t < NT; t++) {
+        rmsnorm(s->xn + t * C, s->h + (size_t)(logits_from + t) * C, w->output_norm, C, c->norm_eps);
+        quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
+    }
+    matmul(logits, c->vocab, 0, w->tok_embd, c->vocab, s->xq, nbC, NT, 1); /* tied output layer */
+    return 0;
+}
+
+const char *bt_simd(void) {
+#if defined(BT_AVX2)
+    return "avx2";
+#elif defined(BT_NEON) && defined(__ARM_FEATURE_DOTPROD)
+    return "neon+dotprod";
+#elif defined(BT_NEON)
+    return "neon";
+#else
+    return "scalar";
+#endif
+}
