@@ -214,12 +214,15 @@ static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out,
 }
 #endif
 
-/* y[t][row0 + n] = W[n] . x[t] for n < N, t < T; W rows of nb blocks of bsize bytes. */
-static void matmul(float *y, int ldy, int row0, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8_0) {
-    const int bsize = q8_0 ? 34 : 20;
+/* y[t][n] = W[n] . x[t] for n < N, t < T, where the rows of W are those of up to three matrices
+ * stacked (fused QKV, gate|up: one parallel region instead of three); rows of nb blocks of bsize bytes. */
+static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2, int N2,
+                    const block_q8 *xq, int nb, int T, int q8_0) {
+    const int bsize = q8_0 ? 34 : 20, N = N0 + N1 + N2, row0 = 0;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *wr = W + (size_t)n * nb * bsize;
+        const uint8_t *wr = n < N0 ? W0 + (size_t)n * nb * bsize
+                          : n < N0 + N1 ? W1 + (size_t)(n - N0) * nb * bsize : W2 + (size_t)(n - N0 - N1) * nb * bsize;
         int t = 0;
 #if defined(BT_AVX2)
         if (!q8_0) /* same sums as dot_q4_1, in the same order: prefill and decode agree bit for bit */
@@ -229,6 +232,10 @@ static void matmul(float *y, int ldy, int row0, const uint8_t *W, int N, const b
             y[(size_t)t * ldy + row0 + n] = q8_0 ? dot_q8_0(wr, xq + (size_t)t * nb, nb) : dot_q4_1(wr, xq + (size_t)t * nb, nb);
         }
     }
+}
+
+static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8_0) {
+    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8_0);
 }
 
 static void rmsnorm(float *o, const float *x, const float *w, int n, float eps) {
@@ -256,6 +263,55 @@ static void quantize_head(const float *x, int8_t *q, float *scale, int D) {
     if (s < KV_SCALE_FLOOR) s = KV_SCALE_FLOOR;
     for (int i = 0; i < D; i++) q[i] = (int8_t)lrintf(x[i] / s); /* lrintf: round half to even */
     *scale = s;
+}
+
+/* q (D floats) . k (D int8) */
+static inline float dot_f32_i8(const float *q, const int8_t *k, int D) {
+#if defined(BT_AVX2)
+    if (D % 16 == 0) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 16) {
+            __m128i k16 = _mm_loadu_si128((const __m128i *)(k + i));
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k16)), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(k16, 8))), a1);
+        }
+        a0 = _mm256_add_ps(a0, a1);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        return _mm_cvtss_f32(s);
+    }
+#endif
+    float dot = 0.f;
+    for (int i = 0; i < D; i++) dot += q[i] * (float)k[i];
+    return dot;
+}
+
+/* o (D) = sum_p w[p] * v_p, v_p = v + p * stride int8 values */
+static inline void accumulate_v(float *o, const float *w, const int8_t *v, size_t stride, int n, int D) {
+#if defined(BT_AVX2)
+    if (D == 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int p = 0; p < n; p++) {
+            const int8_t *vp = v + (size_t)p * stride;
+            const __m256 wp = _mm256_set1_ps(w[p]);
+            for (int j = 0; j < 4; j++) {
+                __m128i v16 = _mm_loadu_si128((const __m128i *)(vp + 16 * j));
+                acc[2 * j] = _mm256_fmadd_ps(wp, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v16)), acc[2 * j]);
+                acc[2 * j + 1] = _mm256_fmadd_ps(wp, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v16, 8))),
+                                                 acc[2 * j + 1]);
+            }
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+        return;
+    }
+#endif
+    for (int i = 0; i < D; i++) o[i] = 0.f;
+    for (int p = 0; p < n; p++) {
+        const int8_t *vp = v + (size_t)p * stride;
+        for (int i = 0; i < D; i++) o[i] += w[p] * (float)vp[i];
+    }
 }
 
 /* Scratch for up to max_t tokens per call. */
@@ -317,9 +373,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             rmsnorm(s->xn + t * C, s->h + t * C, w->attn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
-        matmul(s->qkv, QKV, 0, w->wq[l], H * D, s->xq, nbC, T, 0);
-        matmul(s->qkv, QKV, H * D, w->wk[l], KVH * D, s->xq, nbC, T, 0);
-        matmul(s->qkv, QKV, (H + KVH) * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
+        matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
         for (int t = 0; t < T; t++) { /* RoPE, then K/V into the int8 cache */
             const int pos = start + t;
             float *q = s->qkv + t * QKV;
@@ -339,41 +393,32 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             float *sc = s->scores;
 #endif
             float mx = -INFINITY;
+            const size_t rk = (size_t)l * 2 * KVH + kvh, rv = rk + KVH; /* rows of this head at position 0 */
             for (int p = 0; p < n; p++) {
-                const size_t r = (size_t)p * row + (size_t)l * 2 * KVH + kvh;
-                const int8_t *k = kv + r * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int i = 0; i < D; i++) dot += q[i] * (float)k[i];
-                sc[p] = dot * kv_scale[r] * c->q_scale;
+                const size_t r = (size_t)p * row + rk;
+                sc[p] = dot_f32_i8(q, kv + r * D, D) * kv_scale[r] * c->q_scale;
                 if (sc[p] > mx) mx = sc[p];
             }
             float sum = 0.f;
             for (int p = 0; p < n; p++) { sc[p] = expf(sc[p] - mx); sum += sc[p]; }
-            float *o = s->att + t * C + h * D;
-            for (int i = 0; i < D; i++) o[i] = 0.f;
-            for (int p = 0; p < n; p++) {
-                const size_t r = (size_t)p * row + (size_t)l * 2 * KVH + KVH + kvh;
-                const int8_t *v = kv + r * D;
-                const float wgt = sc[p] / sum * kv_scale[r];
-                for (int i = 0; i < D; i++) o[i] += wgt * (float)v[i];
-            }
+            const float inv = 1.f / sum;
+            for (int p = 0; p < n; p++) sc[p] *= inv * kv_scale[(size_t)p * row + rv];
+            accumulate_v(s->att + t * C + h * D, sc, kv + rv * D, (size_t)row * D, n, D);
         }
         for (int t = 0; t < T; t++) quantize_q8(s->att + t * C, s->xq + t * nbC, C);
-        matmul(s->xn, C, 0, w->wo[l], C, s->xq, nbC, T, 0);
+        matmul(s->xn, C, w->wo[l], C, s->xq, nbC, T, 0);
         for (int t = 0; t < T; t++) {
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->xn[t * C + i];
             rmsnorm(s->xn + t * C, s->h + t * C, w->ffn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
-        matmul(s->gu, 2 * F, 0, w->wgate[l], F, s->xq, nbC, T, 0);
-        matmul(s->gu, 2 * F, F, w->wup[l], F, s->xq, nbC, T, 0);
+        matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0);
         for (int t = 0; t < T; t++) {
             float *g = s->gu + (size_t)t * 2 * F, *a = s->xn + (size_t)t * F;
             for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[F + i];
             quantize_q8(a, s->xq + t * nbF, F);
         }
-        matmul(s->att, C, 0, w->wdown[l], C, s->xq, nbF, T, 0);
+        matmul(s->att, C, w->wdown[l], C, s->xq, nbF, T, 0);
         for (int t = 0; t < T; t++)
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->att[t * C + i];
     }
@@ -382,7 +427,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         rmsnorm(s->xn + t * C, s->h + (size_t)(logits_from + t) * C, w->output_norm, C, c->norm_eps);
         quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
     }
-    matmul(logits, c->vocab, 0, w->tok_embd, c->vocab, s->xq, nbC, NT, 1); /* tied output layer */
+    matmul(logits, c->vocab, w->tok_embd, c->vocab, s->xq, nbC, NT, 1); /* tied output layer */
     return 0;
 }
 
