@@ -18,7 +18,7 @@ from .kv_cache import ContextOverflow, KVCache
 from .model import CancelToken, GenerationStats, Model
 from .sampling import GenerationConfig, Sampler
 
-__all__ = ["load", "Model", "GenerationConfig", "GenerationStats", "CancelToken", "Sampler", "KVCache",
+__all__ = ["load", "default_artifact", "default_backend", "Model", "GenerationConfig", "GenerationStats", "CancelToken", "Sampler", "KVCache",
            "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]
 __version__ = "0.1.0"
 log = logging.getLogger(__name__)
@@ -36,13 +36,13 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     max_context: KV cache positions (None = the board profile's, capped by the artifact's).
     """
     import boards
-    from .artifact import load_manifest, open_artifact
+    from .artifact import FileVerifier, load_manifest, open_artifact
     from .backends import open_backend
     from .tokenizer import Tokenizer
 
     t0 = time.monotonic()
     art = open_artifact(artifact_dir)
-    m = load_manifest(art)  # verifies every file's size and sha256
+    m = load_manifest(art, verify_files=False)
     profile = boards.get(board) if board else boards.detect()
     if m.target.board != profile.name:
         raise BoardMismatch(f"artifact {art} was built for board '{m.target.board}' ({m.target.triple}), "
@@ -51,7 +51,11 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     ctx = min(max_context or profile.max_context, m.max_context)
     if max_context and max_context > m.max_context:
         log.warning("max_context %d exceeds the artifact's %d; using %d", max_context, m.max_context, ctx)
-    tok = Tokenizer((art / m.tokenizer_file).read_text(encoding="utf-8"))
+    verifier = FileVerifier(art, m)  # every file's size and sha256, before anything runs
+    try:
+        tok = Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
+    finally:
+        verifier.wait_all()
     backend = open_backend(m, art, profile.resolved_threads(), profile.provider, ctx)
     model = Model(m, backend, tok, ctx, profile)
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
@@ -59,10 +63,22 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     return model
 
 
-def default_artifact(model_name: str | None = None, board: str | None = None) -> Path:
+def default_backend() -> str:
+    """native when its kernels are built (fastest decode, least memory), else the portable onnxruntime graph."""
+    try:
+        from .native import library
+
+        library()
+        return "native"
+    except (ImportError, OSError) as e:
+        log.info("native kernels unavailable (%s); defaulting to onnxruntime", e)
+        return "onnxruntime"
+
+
+def default_artifact(model_name: str | None = None, board: str | None = None, backend: str | None = None) -> Path:
     """Where the CLI keeps the artifact it builds on first use."""
     import boards
     from models.sources import DEFAULT_MODEL, cache_dir
 
     b = board or boards.detect().name
-    return cache_dir() / "artifacts" / f"{model_name or DEFAULT_MODEL}-onnxruntime-{b}"
+    return cache_dir() / "artifacts" / f"{model_name or DEFAULT_MODEL}-{backend or default_backend()}-{b}"

@@ -189,18 +189,46 @@ def load_manifest(art_dir: Path, verify_files: bool = True) -> Manifest:
     return m
 
 
+def _verify_one(art_dir: Path, name: str, info: dict) -> None:
+    p = art_dir / name
+    if not p.is_file():
+        raise ArtifactError(f"{art_dir}: file {name} listed in the manifest is missing")
+    actual = p.stat().st_size
+    if actual != info["size"]:
+        raise ArtifactError(f"{name}: size {actual} bytes, manifest says {info['size']} (truncated or replaced?)")
+    _, digest = file_digest(p)
+    if digest != info["sha256"]:
+        raise ArtifactError(f"{name}: sha256 {digest}, manifest says {info['sha256']} (corrupt or tampered with)")
+
+
+class FileVerifier:
+    """Hashes every listed file in background threads (hashlib releases the GIL), so a small file
+    can be verified and used while the large ones are still being checked. wait(name) before using
+    a file; wait_all() before running anything."""
+
+    def __init__(self, art_dir: Path, m: Manifest):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.art_dir, self.m = art_dir, m
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify")
+        order = sorted(m.files, key=lambda n: m.files[n]["size"])  # small files first
+        self._futures = {n: self._pool.submit(_verify_one, art_dir, n, m.files[n]) for n in order}
+
+    def wait(self, name: str) -> Path:
+        self._futures[name].result()
+        return self.art_dir / name
+
+    def wait_all(self) -> None:
+        try:
+            for f in self._futures.values():
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        log.info("artifact %s verified: %d files, sha256 ok", self.art_dir, len(self.m.files))
+
+
 def verify_files_of(art_dir: Path, m: Manifest) -> None:
-    for name, info in m.files.items():
-        p = art_dir / name
-        if not p.is_file():
-            raise ArtifactError(f"{art_dir}: file {name} listed in the manifest is missing")
-        actual = p.stat().st_size
-        if actual != info["size"]:
-            raise ArtifactError(f"{name}: size {actual} bytes, manifest says {info['size']} (truncated or replaced?)")
-        _, digest = file_digest(p)
-        if digest != info["sha256"]:
-            raise ArtifactError(f"{name}: sha256 {digest}, manifest says {info['sha256']} (corrupt or tampered with)")
-    log.info("artifact %s verified: %d files, sha256 ok", art_dir, len(m.files))
+    FileVerifier(art_dir, m).wait_all()
 
 
 def write_manifest(art_dir: Path, fields: dict[str, Any], file_names: list[str]) -> Manifest:

@@ -25,12 +25,17 @@ def _artifact(args) -> Path:
 
     if args.artifact:
         return Path(args.artifact)
-    path = runtime.default_artifact(board=args.board)
+    import boards
+
+    board = args.board or boards.detect().name
+    backend = runtime.default_backend()
+    path = runtime.default_artifact(board=board, backend=backend)
     if not (path / "manifest.yaml").exists():
         from models.build import build_artifact
+        from models.sources import DEFAULT_MODEL
 
-        print(f"boardtalk: no artifact yet; building the default one at {path} (once)", file=sys.stderr)
-        build_artifact("smollm2-135m-instruct", path, board=path.name.rsplit("-onnxruntime-", 1)[1], progress=_progress)
+        print(f"boardtalk: no artifact yet; building the default one ({backend}) at {path} (once)", file=sys.stderr)
+        build_artifact(DEFAULT_MODEL, path, board=board, backend=backend, progress=_progress)
     return path
 
 
@@ -50,13 +55,19 @@ def _config(args):
 
 def cmd_build(args) -> int:
     from models.build import build_artifact
+    from models.sources import MODELS
 
     out = Path(args.out) if args.out else None
     if out is None:
         import runtime
 
-        out = runtime.default_artifact(args.model if "/" not in args.model else None, args.board)
+        out = runtime.default_artifact(args.model if args.model in MODELS else Path(args.model).stem, args.board,
+                                       args.backend)
     print(f"building {args.model} for {args.board} ({args.backend}, {args.scheme}) -> {out}", file=sys.stderr)
+    if args.backend == "native" and args.scheme != "q4_1-exact":
+        print("boardtalk: error: the native backend runs the GGUF's Q4_1 blocks as stored (--scheme q4_1-exact)",
+              file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     manifest, report = build_artifact(args.model, out, board=args.board, backend=args.backend, scheme=args.scheme,
                                       embedding=args.embedding, accuracy_level=args.accuracy_level,
@@ -162,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="turn a model into an artifact for a board",
                        description="Convert a registered model (or a local .gguf) into a verified INT4 artifact.")
     b.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(MODELS)}) or path to a .gguf")
-    b.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "native"],
-                   help="runtime backend: onnxruntime (portable graph) or native (C kernels over the GGUF blocks)")
+    b.add_argument("--backend", default="native", choices=["native", "onnxruntime"],
+                   help="native: C kernels over the GGUF's own blocks (fastest decode, least memory); "
+                        "onnxruntime: portable INT4 ONNX graph (fastest long prefill)")
     b.add_argument("--board", default="host", choices=list(boards.PROFILES), help="target board profile")
     b.add_argument("--out", help="artifact directory (default: the cache's default artifact path)")
     b.add_argument("--scheme", default="q4_1-exact", choices=list(SCHEMES), help="linear-layer quantization")

@@ -202,9 +202,11 @@ def main() -> int:
 
         args.artifact = runtime.default_artifact()
         if not (Path(args.artifact) / "manifest.yaml").exists():
+            import boards
             from models.build import build_artifact
 
-            build_artifact("smollm2-135m-instruct", args.artifact, board="host")
+            build_artifact("smollm2-135m-instruct", args.artifact, board=boards.detect().name,
+                           backend=runtime.default_backend())
     have_llama = not args.no_llama
     if have_llama:
         try:

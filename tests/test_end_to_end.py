@@ -43,11 +43,13 @@ def _cli(*args, env=None):
                           env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})), timeout=600)
 
 
-def test_cli_build_generate_perplexity(tiny_gguf, tmp_path):
+@pytest.mark.parametrize("backend,progress", [("native", "indexed"), ("onnxruntime", "layer 1")])
+def test_cli_build_generate_perplexity(tiny_gguf, tmp_path, backend, progress):
     out = tmp_path / "art"
-    r = _cli("build", "--model", str(tiny_gguf), "--board", "host", "--out", str(out), "--max-context", "128")
+    r = _cli("build", "--model", str(tiny_gguf), "--board", "host", "--backend", backend, "--out", str(out),
+             "--max-context", "128")
     assert r.returncode == 0, r.stderr
-    assert "layer" in r.stderr and str(out) in r.stdout  # progress went to stderr, the path to stdout
+    assert progress in r.stderr and str(out) in r.stdout  # progress went to stderr, the path to stdout
     r = _cli("generate", "--artifact", str(out), "--prompt", "the cat", "--max-new-tokens", "5", "--json",
              env={"BOARDTALK_BOARD": "host"})
     assert r.returncode == 0, r.stderr
