@@ -98,7 +98,7 @@ static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
         __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones); /* 8 x int32 */
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
-        accm += m * x[b].s;
+        accm = fmaf(m, x[b].s, accm);
     }
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     s = _mm_hadd_ps(s, s);
@@ -123,7 +123,7 @@ static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
         int32x4_t p = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
 #endif
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
-        accm += m * x[b].s;
+        accm = fmaf(m, x[b].s, accm);
     }
     return vaddvq_f32(acc) + accm;
 #else
@@ -202,7 +202,7 @@ static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out,
             __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[t]);
-            accm[t] += m * xb->s;
+            accm[t] = fmaf(m, xb->s, accm[t]);
         }
     }
     for (int t = 0; t < 4; t++) {
@@ -214,22 +214,28 @@ static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out,
 }
 #endif
 
+static inline const uint8_t *row_ptr(int n, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2,
+                                     int nb, int bsize) {
+    if (n < N0) return W0 + (size_t)n * nb * bsize;
+    if (n < N0 + N1) return W1 + (size_t)(n - N0) * nb * bsize;
+    return W2 + (size_t)(n - N0 - N1) * nb * bsize;
+}
+
 /* y[t][n] = W[n] . x[t] for n < N, t < T, where the rows of W are those of up to three matrices
  * stacked (fused QKV, gate|up: one parallel region instead of three); rows of nb blocks of bsize bytes. */
 static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2, int N2,
                     const block_q8 *xq, int nb, int T, int q8_0) {
-    const int bsize = q8_0 ? 34 : 20, N = N0 + N1 + N2, row0 = 0;
+    const int bsize = q8_0 ? 34 : 20, N = N0 + N1 + N2;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *wr = n < N0 ? W0 + (size_t)n * nb * bsize
-                          : n < N0 + N1 ? W1 + (size_t)(n - N0) * nb * bsize : W2 + (size_t)(n - N0 - N1) * nb * bsize;
+        const uint8_t *wr = row_ptr(n, W0, N0, W1, N1, W2, nb, bsize);
         int t = 0;
 #if defined(BT_AVX2)
-        if (!q8_0) /* same sums as dot_q4_1, in the same order: prefill and decode agree bit for bit */
-            for (; t + 4 <= T; t += 4) dot_q4_1_x4(wr, xq + (size_t)t * nb, nb, y + (size_t)t * ldy + row0 + n, ldy);
+        if (!q8_0) /* prefill: the row is unpacked once for four tokens; same sums in the same order as dot_q4_1 */
+            for (; t + 4 <= T; t += 4) dot_q4_1_x4(wr, xq + (size_t)t * nb, nb, y + (size_t)t * ldy + n, ldy);
 #endif
         for (; t < T; t++) {
-            y[(size_t)t * ldy + row0 + n] = q8_0 ? dot_q8_0(wr, xq + (size_t)t * nb, nb) : dot_q4_1(wr, xq + (size_t)t * nb, nb);
+            y[(size_t)t * ldy + n] = q8_0 ? dot_q8_0(wr, xq + (size_t)t * nb, nb) : dot_q4_1(wr, xq + (size_t)t * nb, nb);
         }
     }
 }
