@@ -89,3 +89,37 @@ def test_wrong_source_type_is_a_clear_error(tiny_gguf):
         quant.pack_tensor("Q8_0", raw, 64, "q4_1-exact", None)
     with pytest.raises(ValueError, match="unknown quantization scheme"):
         quant.pack_tensor("Q4_1", raw, 64, "q3_magic", None)
+
+
+def test_float_source_builds_with_rtn_int4(tmp_path, board_name):
+    """An F32 GGUF goes through the round-to-nearest quantizer; errors are reported and the graph follows them."""
+    import numpy as np
+
+    import runtime
+    from make_tiny_model import write_tiny_gguf
+    from models.build import build_artifact
+    from models.reference import Reference
+
+    src = write_tiny_gguf(tmp_path / "f32.gguf", seed=3, float_weights=True)
+    with pytest.raises(ValueError, match="needs Q4_1 weights"):
+        build_artifact(str(src), tmp_path / "bad", board=board_name, backend="onnxruntime", scheme="q4_1-exact")
+    manifest, report = build_artifact(str(src), tmp_path / "a", board=board_name, backend="onnxruntime",
+                                      scheme="rtn-int4", accuracy_level=0, max_context=64)
+    assert manifest.quantization.scheme == "rtn-int4"
+    linear = {k: e for k, e in report.errors.items() if k.startswith("blk.")}
+    assert len(linear) == 14 and all(0 < e.mean_abs < e.max_abs < 0.1 for e in linear.values())
+    assert report.worst_tensor in linear and report.worst_max_abs == max(e.max_abs for e in linear.values())
+    model = runtime.load(tmp_path / "a")
+    ids = model.tokenizer.encode("the cat sat")
+    got = model._forward(ids, 0).astype(np.float64)
+    # the reference with the weights as quantized: the graph must compute exactly what was packed
+    import gguf
+
+    ref = Reference(read_gguf(src))
+    for name in linear:
+        ref.w[name] = quant.rtn_int4(ref.w[name].astype(np.float32)).dequantize().astype(np.float64)
+    q8 = gguf.quants.quantize(ref.w["token_embd.weight"].astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    ref.w["token_embd.weight"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0).astype(np.float64)
+    want = ref.forward(ids)
+    assert np.abs(got - want).max() < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).all()
