@@ -75,6 +75,14 @@ class NativeBackend:
             self.lib.bt_scratch_free(self.scratch)
             self.scratch = None
 
+    PHASES = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "other")
+
+    def profile(self, enable: bool = True) -> dict[str, float]:
+        """Seconds per phase of the forward passes since the last call (timers on while enabled)."""
+        out = np.zeros(len(self.PHASES), np.float64)
+        self.lib.bt_profile(int(enable), out.ctypes.data)
+        return dict(zip(self.PHASES, out.tolist()))
+
     def forward(self, ids: np.ndarray, start: int, kv: np.ndarray, scale: np.ndarray, logits_from: int):
         """Writes the K/V of ids into kv/scale rows [start, start+T) in place; returns (logits, those rows)."""
         T = int(ids.shape[0])

@@ -50,6 +50,25 @@ typedef struct { /* pointers into the mmapped GGUF, per layer arrays of L entrie
 
 typedef struct { float d, s; int8_t qs[QK]; } block_q8; /* activations: s = d * sum(qs) */
 
+/* Optional phase timers (bt_profile): seconds spent in each part of bt_forward since the last reset. */
+enum { P_QKV, P_ATTN, P_O, P_GATE_UP, P_DOWN, P_LM_HEAD, P_OTHER, P_N };
+static double prof_s[P_N];
+static int prof_on;
+#ifdef _OPENMP
+#define NOW() omp_get_wtime()
+#else
+#include <time.h>
+static double NOW(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
+#endif
+#define TICK(phase) do { if (prof_on) { double t_ = NOW(); prof_s[phase] += t_ - prof_t; prof_t = t_; } } while (0)
+
+/* on: 1 enables the timers, 0 disables; out (P_N doubles, may be NULL) receives the totals, which are then reset */
+void bt_profile(int on, double *out) {
+    if (out) memcpy(out, prof_s, sizeof prof_s);
+    memset(prof_s, 0, sizeof prof_s);
+    prof_on = on;
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(BT_AVX2)
     return _cvtsh_ss(h);
@@ -72,6 +91,39 @@ static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 
 /* ---------------------------------------------------------------- activation quantization */
 static void quantize_q8(const float *x, block_q8 *y, int K) {
+#if defined(BT_AVX2)
+    /* same arithmetic as the scalar loop below (cvtps rounds half to even, like lrintf) */
+    const __m256 signbit = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv));
+            sum = _mm256_add_epi32(sum, q[j]);
+        }
+        /* pack 32 x int32 -> 32 x int8 in order (packs work per 128-bit lane: fix with a permute) */
+        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)y[b].qs, p8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        y[b].d = d;
+        y[b].s = d * (float)_mm_cvtsi128_si32(s4);
+    }
+    return;
+#endif
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
@@ -92,7 +144,10 @@ static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
     const __m256i lowmask = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++, w += 20) {
-        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        uint32_t dm32;
+        memcpy(&dm32, w, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
+        const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
         __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
         __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask); /* q[0..15] | q[16..31] */
         __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
@@ -194,7 +249,10 @@ static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out,
     const __m256i lowmask = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++, w += 20) {
-        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
+        uint32_t dm32;
+        memcpy(&dm32, w, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
+        const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
         __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
         __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask);
         for (int t = 0; t < 4; t++) {
@@ -374,12 +432,17 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             for (int j = 0; j < QK; j++) s->h[t * C + b * QK + j] = d * (float)((const int8_t *)e)[b * 34 + 2 + j];
         }
     }
+    double prof_t = prof_on ? NOW() : 0.0;
     for (int l = 0; l < L; l++) {
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) {
             rmsnorm(s->xn + t * C, s->h + t * C, w->attn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
+        TICK(P_OTHER);
         matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
+        TICK(P_QKV);
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) { /* RoPE, then K/V into the int8 cache */
             const int pos = start + t;
             float *q = s->qkv + t * QKV;
@@ -411,20 +474,31 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             for (int p = 0; p < n; p++) sc[p] *= inv * kv_scale[(size_t)p * row + rv];
             accumulate_v(s->att + t * C + h * D, sc, kv + rv * D, (size_t)row * D, n, D);
         }
+        TICK(P_ATTN);
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) quantize_q8(s->att + t * C, s->xq + t * nbC, C);
+        TICK(P_OTHER);
         matmul(s->xn, C, w->wo[l], C, s->xq, nbC, T, 0);
+        TICK(P_O);
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) {
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->xn[t * C + i];
             rmsnorm(s->xn + t * C, s->h + t * C, w->ffn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
+        TICK(P_OTHER);
         matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0);
+        TICK(P_GATE_UP);
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) {
             float *g = s->gu + (size_t)t * 2 * F, *a = s->xn + (size_t)t * F;
             for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[F + i];
             quantize_q8(a, s->xq + t * nbF, F);
         }
+        TICK(P_OTHER);
         matmul(s->att, C, w->wdown[l], C, s->xq, nbF, T, 0);
+        TICK(P_DOWN);
+#pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++)
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->att[t * C + i];
     }
@@ -433,7 +507,9 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         rmsnorm(s->xn + t * C, s->h + (size_t)(logits_from + t) * C, w->output_norm, C, c->norm_eps);
         quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
     }
+    TICK(P_OTHER);
     matmul(logits, c->vocab, w->tok_embd, c->vocab, s->xq, nbC, NT, 1); /* tied output layer */
+    TICK(P_LM_HEAD);
     return 0;
 }
 

@@ -34,6 +34,8 @@ int main(void) {
     int passed = 0, failed = 0;
     srand(7);
     for (int i = 0; i < 4 * NB * QK; i++) xf[i] = (float)(rand() % 2001 - 1000) / 250.f;
+    for (int i = 0; i < QK; i++) xf[i] = (float)(i - 16) * 0.5f; /* exact halves: round-half-even cases */
+    for (int i = QK; i < 2 * QK; i++) xf[i] = 0.f;             /* an all-zero block */
     for (int t = 0; t < 4; t++) quantize_q8(xf + t * NB * QK, x + t * NB, NB * QK);
     for (int r = 0; r < ROWS; r++) {
         for (int b = 0; b < NB; b++) {
@@ -52,6 +54,25 @@ int main(void) {
             if (!ok8) fprintf(stderr, "q8_0 row %d token %d: %.7g vs %.7g\n", r, t, b, f);
             passed += ok4 + ok8;
             failed += !ok4 + !ok8;
+        }
+    }
+    /* quantize_q8 (SIMD where built) against the plain definition, bit for bit */
+    for (int t = 0; t < 4; t++) {
+        for (int b = 0; b < NB; b++) {
+            const float *xb = xf + (size_t)(t * NB + b) * QK;
+            float amax = 0.f;
+            int sum = 0, same = 1;
+            for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+            for (int i = 0; i < QK; i++) {
+                int q = (int)lrintf(xb[i] * id);
+                sum += q;
+                same &= x[t * NB + b].qs[i] == q;
+            }
+            same &= x[t * NB + b].d == d && x[t * NB + b].s == d * (float)sum;
+            if (!same) fprintf(stderr, "quantize_q8 token %d block %d differs\n", t, b);
+            passed += same;
+            failed += !same;
         }
     }
     /* quantize_head: round half to even, floor on the scale */
