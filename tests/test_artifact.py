@@ -105,3 +105,22 @@ def test_tarball_loads(art, tmp_path):
         tf.add(art, arcname="tiny")
     m = runtime.load(tar)
     assert m.manifest.model_name == "tiny-random-llama"
+
+
+def test_native_index_that_does_not_match_the_architecture_is_rejected(tiny_artifacts, tmp_path):
+    """A consistent manifest (hashes updated) whose tensor index disagrees with the model's shapes must not
+    reach the C code, which would read past the tensor."""
+    import json
+
+    from runtime.artifact import load_manifest, write_manifest
+
+    d = tmp_path / "n"
+    shutil.copytree(tiny_artifacts["native"], d)
+    idx = json.loads((d / "native.json").read_text())
+    idx["tensors"]["blk.1.ffn_down.weight"][1] -= 20  # one Q4_1 block short
+    (d / "native.json").write_text(json.dumps(idx))
+    m = load_manifest(d, verify_files=False).to_dict()
+    m.pop("files"), m.pop("format_version")
+    write_manifest(d, m, ["model.gguf", "native.json", "tokenizer.json"])
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1, \d+ bytes .* expected Q4_1, \d+ bytes"):
+        runtime.load(d)

@@ -44,10 +44,23 @@ class NativeBackend:
         base = self.data.ctypes.data
         L = int(arch["n_layers"])
 
+        C, F, V = int(arch["hidden"]), int(arch["ffn"]), self.vocab
+        HD, KD = int(arch["n_heads"]) * int(arch["head_dim"]), int(arch["n_kv_heads"]) * int(arch["head_dim"])
+        shapes = {"attn_q": (HD, C), "attn_k": (KD, C), "attn_v": (KD, C), "attn_output": (C, HD), "ffn_gate": (F, C),
+                  "ffn_up": (F, C), "ffn_down": (C, F), "attn_norm": (1, C), "ffn_norm": (1, C), "token_embd": (V, C),
+                  "output_norm": (1, C)}
+        row_bytes = {"Q4_1": lambda k: k // 32 * 20, "Q8_0": lambda k: k // 32 * 34, "F32": lambda k: k * 4}
+
         def ptr(name: str, want: str) -> int:
+            """Address of a tensor, after checking it is where, what and as large as the C code will read."""
+            if name not in tensors:
+                raise ValueError(f"native.json: no tensor {name}")
             off, nbytes, typ = tensors[name]
-            if typ != want or off + nbytes > self.data.size:
-                raise ValueError(f"native.json: {name} is {typ} at {off}+{nbytes}, expected {want} inside the GGUF")
+            rows, cols = shapes[name.split(".")[-2]]
+            need = rows * row_bytes[want](cols)
+            if typ != want or nbytes != need or off < 0 or off + nbytes > self.data.size:
+                raise ValueError(f"native.json: {name} is {typ}, {nbytes} bytes at {off}; expected {want}, {need} bytes "
+                                 f"inside the {self.data.size}-byte GGUF")
             return base + off
 
         self.cfg = _Config(L, arch["hidden"], arch["n_heads"], arch["n_kv_heads"], arch["head_dim"], arch["ffn"],
