@@ -56,11 +56,24 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
         tok = Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
     finally:
         verifier.wait_all()
+    _release_freed_memory()  # parsing the tokenizer JSON leaves ~20 MB of freed heap behind
     backend = open_backend(m, art, profile.resolved_threads(), profile.provider, ctx)
     model = Model(m, backend, tok, ctx, profile)
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
              m.quantization.scheme, profile.name, time.monotonic() - t0, ctx, model.cache.bytes_per_position)
     return model
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim); a no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_backend() -> str:

@@ -411,13 +411,14 @@ void bt_scratch_free(void *p) {
 }
 
 /* Run T tokens at positions start..start+T-1. Writes their K/V into the cache rows and the
- * logits of tokens logits_from..T-1 into logits ((T - logits_from) x vocab). Returns 0 or an error code. */
+ * logits of tokens logits_from..T-1 into logits ((T - logits_from) x vocab); logits_from = -1
+ * skips the output layer. Returns 0 or an error code. */
 int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int64_t *ids, int T, int start,
                int8_t *kv, float *kv_scale, float *logits, int logits_from, int n_threads) {
     bt_scratch *s = (bt_scratch *)scratch;
     if (T < 1 || T > s->max_t) return 1;
     if (start < 0 || start + T > c->max_seq) return 2;
-    if (logits_from < 0 || logits_from >= T) return 3;
+    if (logits_from < -1 || logits_from >= T) return 3; /* -1: no logits wanted (an early prefill chunk) */
 #ifdef _OPENMP
     if (n_threads > BT_MAX_THREADS) n_threads = BT_MAX_THREADS;
     if (n_threads > 0) omp_set_num_threads(n_threads);
@@ -502,6 +503,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         for (int t = 0; t < T; t++)
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->att[t * C + i];
     }
+    if (logits_from < 0) return 0;
     const int NT = T - logits_from;
     for (int t = 0; t < NT; t++) {
         rmsnorm(s->xn + t * C, s->h + (size_t)(logits_from + t) * C, w->output_norm, C, c->norm_eps);
