@@ -57,6 +57,9 @@ def cmd_build(args) -> int:
     from models.build import build_artifact
     from models.sources import MODELS
 
+    import boards
+
+    args.board = args.board or boards.detect().name
     out = Path(args.out) if args.out else None
     if out is None:
         import runtime
@@ -176,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", default="native", choices=["native", "onnxruntime"],
                    help="native: C kernels over the GGUF's own blocks (fastest decode, least memory); "
                         "onnxruntime: portable INT4 ONNX graph (fastest long prefill)")
-    b.add_argument("--board", default="host", choices=list(boards.PROFILES), help="target board profile")
+    b.add_argument("--board", choices=list(boards.PROFILES), help="target board profile (default: this machine's)")
     b.add_argument("--out", help="artifact directory (default: the cache's default artifact path)")
     b.add_argument("--scheme", default="q4_1-exact", choices=list(SCHEMES), help="linear-layer quantization")
     b.add_argument("--embedding", default="q8_0", choices=list(EMBEDDING_SCHEMES), help="tied lm_head quantization")
