@@ -137,28 +137,50 @@ static void quantize_q8(const float *x, block_q8 *y, int K) {
 }
 
 /* ---------------------------------------------------------------- dot products */
+#if defined(BT_AVX2)
+static inline float hsum8(__m256 v) { /* fixed order: prefill and decode must sum alike */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* A Q4_1 block's scale d, min m and its 32 nibbles as bytes q[0..15] | q[16..31] */
+static inline __m256i q4_1_unpack(const uint8_t *w, float *d, float *m) {
+    uint32_t dm32;
+    memcpy(&dm32, w, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
+    *d = _mm_cvtss_f32(dm);
+    *m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+#elif defined(BT_NEON)
+/* w0.a0 + w1.a1 over 2 x 16 int8 lanes, as 4 int32 partial sums */
+static inline int32x4_t neon_dot32(int8x16_t w0, int8x16_t a0, int8x16_t w1, int8x16_t a1) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, a0), w1, a1);
+#else
+    int16x8_t p0 = vmlal_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(a0)), vget_high_s8(w0), vget_high_s8(a0));
+    int16x8_t p1 = vmlal_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(a1)), vget_high_s8(w1), vget_high_s8(a1));
+    return vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
+#endif
+}
+#endif
 static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
 #if defined(BT_AVX2)
     __m256 acc = _mm256_setzero_ps();
     float accm = 0.f;
-    const __m256i lowmask = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++, w += 20) {
-        uint32_t dm32;
-        memcpy(&dm32, w, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
-        const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-        __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask); /* q[0..15] | q[16..31] */
+        float d, m;
+        const __m256i q = q4_1_unpack(w, &d, &m);
         __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones); /* 8 x int32 */
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
         accm = fmaf(m, x[b].s, accm);
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s) + accm;
+    return hsum8(acc) + accm;
 #elif defined(BT_NEON)
     float32x4_t acc = vdupq_n_f32(0.f);
     float accm = 0.f;
@@ -168,15 +190,7 @@ static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
         int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
         int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
         int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
-#if defined(__ARM_FEATURE_DOTPROD)
-        int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, a0), hi, a1);
-#else
-        int16x8_t p0 = vmull_s8(vget_low_s8(lo), vget_low_s8(a0));
-        p0 = vmlal_s8(p0, vget_high_s8(lo), vget_high_s8(a0));
-        int16x8_t p1 = vmull_s8(vget_low_s8(hi), vget_low_s8(a1));
-        p1 = vmlal_s8(p1, vget_high_s8(hi), vget_high_s8(a1));
-        int32x4_t p = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
-#endif
+        int32x4_t p = neon_dot32(lo, a0, hi, a1);
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
         accm = fmaf(m, x[b].s, accm);
     }
@@ -207,25 +221,14 @@ static float dot_q8_0(const uint8_t *w, const block_q8 *x, int nb) {
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
+    return hsum8(acc);
 #elif defined(BT_NEON)
     float32x4_t acc = vdupq_n_f32(0.f);
     for (int b = 0; b < nb; b++, w += 34) {
         const float d = f16_to_f32(rd16(w));
         int8x16_t q0 = vld1q_s8((const int8_t *)w + 2), q1 = vld1q_s8((const int8_t *)w + 18);
         int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
-#if defined(__ARM_FEATURE_DOTPROD)
-        int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), q0, a0), q1, a1);
-#else
-        int16x8_t p0 = vmull_s8(vget_low_s8(q0), vget_low_s8(a0));
-        p0 = vmlal_s8(p0, vget_high_s8(q0), vget_high_s8(a0));
-        int16x8_t p1 = vmull_s8(vget_low_s8(q1), vget_low_s8(a1));
-        p1 = vmlal_s8(p1, vget_high_s8(q1), vget_high_s8(a1));
-        int32x4_t p = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
-#endif
+        int32x4_t p = neon_dot32(q0, a0, q1, a1);
         acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
     }
     return vaddvq_f32(acc);
@@ -246,15 +249,10 @@ static float dot_q8_0(const uint8_t *w, const block_q8 *x, int nb) {
 static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out, int stride) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     float accm[4] = {0.f, 0.f, 0.f, 0.f};
-    const __m256i lowmask = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++, w += 20) {
-        uint32_t dm32;
-        memcpy(&dm32, w, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
-        const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-        __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lowmask);
+        float d, m;
+        const __m256i q = q4_1_unpack(w, &d, &m);
         for (int t = 0; t < 4; t++) {
             const block_q8 *xb = x + (size_t)t * nb + b;
             __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
@@ -263,12 +261,7 @@ static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out,
             accm[t] = fmaf(m, xb->s, accm[t]);
         }
     }
-    for (int t = 0; t < 4; t++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        out[(size_t)t * stride] = _mm_cvtss_f32(s) + accm[t];
-    }
+    for (int t = 0; t < 4; t++) out[(size_t)t * stride] = hsum8(acc[t]) + accm[t];
 }
 #endif
 
@@ -339,11 +332,7 @@ static inline float dot_f32_i8(const float *q, const int8_t *k, int D) {
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k16)), a0);
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(k16, 8))), a1);
         }
-        a0 = _mm256_add_ps(a0, a1);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        return _mm_cvtss_f32(s);
+        return hsum8(_mm256_add_ps(a0, a1));
     }
 #endif
     float dot = 0.f;
