@@ -67,11 +67,9 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
 def _release_freed_memory() -> None:
     """Give freed heap pages back to the OS (glibc's malloc_trim); a no-op elsewhere."""
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+    try:  # not ctypes.util.find_library: it spawns a subprocess
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
