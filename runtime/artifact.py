@@ -7,8 +7,10 @@ must never be loaded, so there is no "skip verification" switch.)
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
+import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -164,6 +166,7 @@ def open_artifact(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file() and tarfile.is_tarfile(path):
         dest = Path(tempfile.mkdtemp(prefix="boardtalk-artifact-"))
+        atexit.register(shutil.rmtree, dest, True)  # the unpacked copy lives as long as this process
         with tarfile.open(path) as tf:
             tf.extractall(dest, filter="data")
         subdirs = [p for p in dest.iterdir() if p.is_dir()]
