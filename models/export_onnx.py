@@ -30,15 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.kv_cache import KV_SCALE_FLOOR
+
 from . import quant
 from .arch import GGUFModel, LlamaConfig, layer_tensor, rope_tables
 
 log = logging.getLogger(__name__)
 
 OPSET = 21
-KV_SCALE_FLOOR = 1e-30
-INPUTS = ("input_ids", "position_ids", "past_kv", "past_scale", "logits_from")
-OUTPUTS = ("logits", "present_kv", "present_scale")
 
 
 @dataclass

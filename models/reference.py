@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arch import GGUFModel, layer_tensor
+from runtime.kv_cache import KV_SCALE_FLOOR
 
-KV_SCALE_FLOOR = 1e-30
+from .arch import GGUFModel, layer_tensor
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

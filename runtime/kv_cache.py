@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+KV_SCALE_FLOOR = 1e-30  # smallest scale: an all-zero (token, head) stays exactly zero (also in bt_native.c)
+
 
 class ContextOverflow(ValueError):
     """A prompt (plus what is already cached) does not fit the cache."""
