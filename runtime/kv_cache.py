@@ -1,11 +1,14 @@
-"""The 8-bit KV cache: preallocated once, token-major, written in place.
+"""The 8-bit KV cache: preallocated once, written in place.
 
-Layout (one array for K and V of every layer, token-major over everything):
-  kv     (max_seq, layers, 2*kv_heads, head_dim) int8     K heads [0, kv_heads), V heads after
-  scale  (max_seq, layers, 2*kv_heads, 1)        float32  symmetric absmax/127 per (token, layer, head)
-so the live prefix kv[:n] is one contiguous view, passed to the backend without a copy,
-and a step writes only its own rows. ``tokens`` remembers which ids produced the cached
-rows, which is what prefix reuse compares against.
+One array for K and V of every layer, in the layout the backend reads best:
+  token-major (onnxruntime):  kv (max_seq, layers, 2*kv_heads, head_dim) int8, scale (max_seq, layers, 2*kv_heads, 1)
+      the live prefix kv[:n] is one contiguous view, passed to the graph without a copy;
+  layer-major (native):       kv (layers, max_seq, 2*kv_heads, head_dim) int8, scale (layers, max_seq, 2*kv_heads, 1)
+      each layer's positions are contiguous, so attention streams them (token-major rows are
+      11.5 KB apart for SmolLM2; layer-major measured ~10 % faster attention at context ~128).
+K heads come first, V heads after; scales are symmetric absmax/127 per (token, layer, head).
+A step writes only its own rows. ``tokens`` remembers which ids produced the cached rows,
+which is what prefix reuse compares against.
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ class ContextOverflow(ValueError):
 
 
 class KVCache:
-    def __init__(self, max_seq: int, n_layers: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, max_seq: int, n_layers: int, n_kv_heads: int, head_dim: int, layer_major: bool = False):
         self.max_seq = max_seq
-        self.kv = np.zeros((max_seq, n_layers, 2 * n_kv_heads, head_dim), np.int8)
-        self.scale = np.zeros((max_seq, n_layers, 2 * n_kv_heads, 1), np.float32)
+        self.layer_major = layer_major
+        lead = (n_layers, max_seq) if layer_major else (max_seq, n_layers)
+        self.kv = np.zeros(lead + (2 * n_kv_heads, head_dim), np.int8)
+        self.scale = np.zeros(lead + (2 * n_kv_heads, 1), np.float32)
         self.tokens: list[int] = []  # ids whose K/V fill rows [0, len(tokens))
 
     def __len__(self) -> int:
@@ -30,11 +35,13 @@ class KVCache:
 
     @property
     def bytes_per_position(self) -> int:
-        return self.kv[0].nbytes + self.scale[0].nbytes
+        return (self.kv.nbytes + self.scale.nbytes) // self.max_seq
 
     def view(self) -> tuple[np.ndarray, np.ndarray]:
-        """The live prefix (n, layers, 2*kv_heads, head_dim) int8 and its scales; views, no copy."""
+        """The live prefix and its scales, as views (no copy); contiguous when token-major."""
         n = len(self.tokens)
+        if self.layer_major:
+            return self.kv[:, :n], self.scale[:, :n]
         return self.kv[:n], self.scale[:n]
 
     def append(self, ids, kv: np.ndarray, scale: np.ndarray) -> None:
@@ -43,6 +50,8 @@ class KVCache:
         if n + t > self.max_seq:
             raise ContextOverflow(f"KV cache full: {n} + {t} tokens > max context {self.max_seq}")
         if not np.may_share_memory(kv, self.kv):  # a backend that wrote the rows in place needs no copy
+            if self.layer_major:
+                raise ValueError("a layer-major cache is written in place by its backend")
             self.kv[n : n + t] = kv
             self.scale[n : n + t] = scale
         self.tokens.extend(int(i) for i in ids)

@@ -68,7 +68,8 @@ class Model:
         self.profile = profile
         a = manifest.architecture
         self.vocab = int(a["vocab"])
-        self.cache = KVCache(max_context, int(a["n_layers"]), int(a["n_kv_heads"]), int(a["head_dim"]))
+        self.cache = KVCache(max_context, int(a["n_layers"]), int(a["n_kv_heads"]), int(a["head_dim"]),
+                             layer_major=getattr(backend, "kv_layer_major", False))
         self.stop_ids = tuple(manifest.stop_ids)
         self.template = None
         if manifest.chat_template:

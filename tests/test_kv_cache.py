@@ -59,3 +59,13 @@ def test_int8_roundtrip_error_bound():
     rel = np.sqrt(((y - x) ** 2).mean()) / np.sqrt((x**2).mean())
     assert rel < 0.01
     assert np.array_equal(kv_roundtrip(np.zeros((1, 1, 8))), np.zeros((1, 1, 8)))
+
+
+def test_layer_major_cache_is_written_in_place_only():
+    c = KVCache(8, 2, 2, 8, layer_major=True)
+    assert c.kv.shape == (2, 8, 4, 8) and c.bytes_per_position == 2 * 4 * 8 + 2 * 4 * 4
+    rows = c.kv[:, 0:2], c.scale[:, 0:2]  # what an in-place backend hands back
+    c.append([1, 2], *rows)
+    assert c.tokens == [1, 2] and c.view()[0].shape == (2, 2, 4, 8)
+    with pytest.raises(ValueError, match="written in place"):
+        c.append([3], *_rows(1))

@@ -19,7 +19,8 @@ MAX_T = 128  # tokens per native call (scratch ~4 MB); longer calls are split, a
 
 class _Config(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
-                                               "max_seq")] + [("norm_eps", ctypes.c_float), ("q_scale", ctypes.c_float)]
+                                               "max_seq")] + [("norm_eps", ctypes.c_float), ("q_scale", ctypes.c_float),
+                                                              ("kv_layer_major", ctypes.c_int32)]
 
 
 class _Weights(ctypes.Structure):
@@ -33,6 +34,8 @@ LINEARS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", 
 
 
 class NativeBackend:
+    kv_layer_major = True  # attention streams one layer's positions: they must be contiguous
+
     def __init__(self, gguf: Path, index: Path, arch: dict, max_seq: int, threads: int):
         from runtime.native import library
 
@@ -64,7 +67,7 @@ class NativeBackend:
             return base + off
 
         self.cfg = _Config(L, arch["hidden"], arch["n_heads"], arch["n_kv_heads"], arch["head_dim"], arch["ffn"],
-                           self.vocab, max_seq, arch["norm_eps"], 1.0 / np.sqrt(arch["head_dim"]))
+                           self.vocab, max_seq, arch["norm_eps"], 1.0 / np.sqrt(arch["head_dim"]), 1)
         from models.arch import LlamaConfig, rope_tables  # the same tables as the ONNX graph
 
         self.cos, self.sin = rope_tables(LlamaConfig.from_dict(arch), max_seq)
@@ -97,7 +100,8 @@ class NativeBackend:
         return dict(zip(self.PHASES, out.tolist()))
 
     def forward(self, ids: np.ndarray, start: int, kv: np.ndarray, scale: np.ndarray, logits_from: int):
-        """Writes the K/V of ids into kv/scale rows [start, start+T) in place; returns (logits, those rows)."""
+        """Writes the K/V of ids into kv/scale positions [start, start+T) in place (layer-major cache);
+        returns (logits, views of those positions)."""
         T = int(ids.shape[0])
         out = np.empty((T - logits_from, self.vocab), np.float32)
         ids = np.ascontiguousarray(ids, np.int64)
@@ -113,4 +117,4 @@ class NativeBackend:
                                      self.threads)
             if rc:
                 raise RuntimeError(f"native forward failed (code {rc}) at positions {start + c0}..{start + c1 - 1}")
-        return out, kv[start : start + T], scale[start : start + T]
+        return out, kv[:, start : start + T], scale[:, start : start + T]

@@ -10,7 +10,8 @@
  * Layouts (all row-major, C-contiguous):
  *   Q4_1 block (20 B): f16 d, f16 m, 16 B nibbles; byte j = q[j] | q[j+16] << 4
  *   Q8_0 block (34 B): f16 d, 32 x int8
- *   KV cache: kv (max_seq, L, 2*KVH, D) int8, scale (max_seq, L, 2*KVH) float32,
+ *   KV cache: kv (L, max_seq, 2*KVH, D) int8, scale (L, max_seq, 2*KVH) float32 (layer-major: a
+ *             layer's positions are contiguous, so attention streams them; token-major also works),
  *             K heads first, scale = max(absmax/127, 1e-30), q = round-half-even(x/scale)
  *   rope cos/sin: (max_pos, D/2) float32, adjacent pairs (x[2i], x[2i+1]) rotated
  * Threads: OpenMP over output rows and over (token, head) pairs.
@@ -37,7 +38,8 @@
 typedef struct {
     int32_t n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, vocab, max_seq;
     float norm_eps;
-    float q_scale; /* 1/sqrt(head_dim) */
+    float q_scale;          /* 1/sqrt(head_dim) */
+    int32_t kv_layer_major; /* cache layout: 1 = (L, max_seq, 2*KVH, D), 0 = (max_seq, L, 2*KVH, D) */
 } bt_config;
 
 typedef struct { /* pointers into the mmapped GGUF, per layer arrays of L entries */
@@ -413,7 +415,10 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
     if (n_threads > 0) omp_set_num_threads(n_threads);
 #endif
     const int C = c->hidden, H = c->n_heads, KVH = c->n_kv_heads, D = c->head_dim, F = c->ffn, L = c->n_layers;
-    const int G = H / KVH, QKV = (H + 2 * KVH) * D, nbC = C / QK, nbF = F / QK, row = L * 2 * KVH;
+    const int G = H / KVH, QKV = (H + 2 * KVH) * D, nbC = C / QK, nbF = F / QK;
+    /* head row of (layer l, position p, head j) = lbase(l) + p * pstride + j */
+    const size_t pstride = c->kv_layer_major ? (size_t)2 * KVH : (size_t)L * 2 * KVH;
+#define LBASE(l) (c->kv_layer_major ? (size_t)(l) * c->max_seq * 2 * KVH : (size_t)(l) * 2 * KVH)
     for (int t = 0; t < T; t++) { /* embedding: Q8_0 row */
         if (ids[t] < 0 || ids[t] >= c->vocab) return 4;
         const uint8_t *e = w->tok_embd + (size_t)ids[t] * nbC * 34;
@@ -438,7 +443,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             float *q = s->qkv + t * QKV;
             rope(q, H + KVH, D, w->rope_cos + (size_t)pos * (D / 2), w->rope_sin + (size_t)pos * (D / 2));
             for (int j = 0; j < 2 * KVH; j++) {
-                const size_t r = ((size_t)pos * row + (size_t)l * 2 * KVH + j);
+                const size_t r = LBASE(l) + (size_t)pos * pstride + j;
                 quantize_head(q + H * D + j * D, kv + r * D, kv_scale + r, D);
             }
         }
@@ -452,17 +457,17 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             float *sc = s->scores;
 #endif
             float mx = -INFINITY;
-            const size_t rk = (size_t)l * 2 * KVH + kvh, rv = rk + KVH; /* rows of this head at position 0 */
+            const size_t rk = LBASE(l) + kvh, rv = rk + KVH; /* rows of this head at position 0 */
             for (int p = 0; p < n; p++) {
-                const size_t r = (size_t)p * row + rk;
+                const size_t r = (size_t)p * pstride + rk;
                 sc[p] = dot_f32_i8(q, kv + r * D, D) * kv_scale[r] * c->q_scale;
                 if (sc[p] > mx) mx = sc[p];
             }
             float sum = 0.f;
             for (int p = 0; p < n; p++) { sc[p] = expf(sc[p] - mx); sum += sc[p]; }
             const float inv = 1.f / sum;
-            for (int p = 0; p < n; p++) sc[p] *= inv * kv_scale[(size_t)p * row + rv];
-            accumulate_v(s->att + t * C + h * D, sc, kv + rv * D, (size_t)row * D, n, D);
+            for (int p = 0; p < n; p++) sc[p] *= inv * kv_scale[(size_t)p * pstride + rv];
+            accumulate_v(s->att + t * C + h * D, sc, kv + rv * D, pstride * D, n, D);
         }
         TICK(P_ATTN);
 #pragma omp parallel for if (T > 1)
