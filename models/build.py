@@ -46,6 +46,8 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         raise NotImplementedError(f"backend {backend!r}: known backends are {', '.join(BACKENDS)} (TVM is its own issue)")
     if scheme not in quant.SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(quant.SCHEMES)}")
+    if backend == "native" and (scheme != "q4_1-exact" or embedding != "q8_0"):
+        raise ValueError("the native backend runs GGUF Q4_1 weights as stored (--scheme q4_1-exact --embedding q8_0)")
     t0 = time.monotonic()
     gguf_path = resolve_gguf(model)
     src = read_gguf(gguf_path)
@@ -59,7 +61,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     if backend == "native":
-        files, report = _native_files(src, gguf_path, tmp, scheme, embedding, progress)
+        files, report = _native_files(src, gguf_path, tmp, progress)
         graph_info = {"file": files[0], "index": files[1]}
     else:
         proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
@@ -116,23 +118,18 @@ def _optimize_graph(art_dir: Path, files: list[str]) -> tuple[list[str], dict]:
     return [graph, data], {"file": graph, "optimized_by": f"onnxruntime {ort.__version__}"}
 
 
-def _native_files(src, gguf_path: Path, out: Path, scheme: str, embedding: str, progress):
+def _native_files(src, gguf_path: Path, out: Path, progress):
     """The native backend runs on the GGUF's own blocks: copy the file, index its tensors."""
     import json
 
+    from runtime.backends.native import tensor_spec
+
     from .export_onnx import ExportReport
 
-    if scheme != "q4_1-exact" or embedding != "q8_0":
-        raise ValueError("the native backend runs GGUF Q4_1 weights as stored (scheme q4_1-exact, embedding q8_0)")
     if not src.config.tie_embeddings:
         raise NotImplementedError("untied output layers are not supported by the native backend yet")
-    want = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32"}
-    for i in range(src.config.n_layers):
-        want.update({f"blk.{i}.{n}.weight": "F32" for n in ("attn_norm", "ffn_norm")})
-        want.update({f"blk.{i}.{n}.weight": "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                            "ffn_up", "ffn_down")})
     index = {}
-    for name, typ in want.items():
+    for name, (typ, _, _) in tensor_spec(src.config.to_dict()).items():
         t = src.tensors.get(name)
         if t is None or t.tensor_type.name != typ:
             found = "missing" if t is None else t.tensor_type.name
@@ -145,7 +142,5 @@ def _native_files(src, gguf_path: Path, out: Path, scheme: str, embedding: str, 
     if progress:
         progress(1, 1, "indexed")
     report = ExportReport(weight_bytes=sum(v[1] for v in index.values()), n_nodes=0)
-    from . import quant
-
     report.errors["lm_head"] = quant.QuantError(0.0, 0.0)
     return ["model.gguf", "native.json"], report

@@ -18,8 +18,8 @@ from .kv_cache import ContextOverflow, KVCache
 from .model import CancelToken, GenerationStats, Model
 from .sampling import GenerationConfig, Sampler
 
-__all__ = ["load", "default_artifact", "default_backend", "Model", "GenerationConfig", "GenerationStats", "CancelToken", "Sampler", "KVCache",
-           "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]
+__all__ = ["load", "default_artifact", "default_backend", "Model", "GenerationConfig", "GenerationStats", "CancelToken",
+           "Sampler", "KVCache", "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]
 __version__ = "0.1.0"
 log = logging.getLogger(__name__)
 

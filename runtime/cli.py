@@ -67,10 +67,6 @@ def cmd_build(args) -> int:
         out = runtime.default_artifact(args.model if args.model in MODELS else Path(args.model).stem, args.board,
                                        args.backend)
     print(f"building {args.model} for {args.board} ({args.backend}, {args.scheme}) -> {out}", file=sys.stderr)
-    if args.backend == "native" and args.scheme != "q4_1-exact":
-        print("boardtalk: error: the native backend runs the GGUF's Q4_1 blocks as stored (--scheme q4_1-exact)",
-              file=sys.stderr)
-        return 2
     t0 = time.monotonic()
     manifest, report = build_artifact(args.model, out, board=args.board, backend=args.backend, scheme=args.scheme,
                                       embedding=args.embedding, accuracy_level=args.accuracy_level,

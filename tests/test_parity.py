@@ -11,16 +11,13 @@ import pytest
 import runtime
 from models.arch import read_gguf
 from models.reference import Reference
+from conftest import _build
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence, please."}]
 
 
-def _build(src, tmp_path_factory, board, acc, name, backend="onnxruntime"):
-    from models.build import build_artifact
-
-    out = tmp_path_factory.mktemp(name) / name
-    build_artifact(str(src), out, board=board, backend=backend, accuracy_level=acc, max_context=256)
-    return runtime.load(out)
+def _load(src, tmp_path_factory, board, acc, name, backend="onnxruntime"):
+    return runtime.load(_build(src, tmp_path_factory, board, backend, name, accuracy_level=acc, max_context=256))
 
 
 def _all_logits(model, ids):
@@ -31,7 +28,7 @@ def _all_logits(model, ids):
 @pytest.mark.parametrize("backend,acc,max_abs,top1", [("onnxruntime", 0, 2e-4, 1.0), ("onnxruntime", 4, 5.0, 0.8),
                                                       ("native", 4, 5.0, 0.8)])
 def test_tiny_graph_matches_reference(tiny_gguf, tmp_path_factory, board_name, backend, acc, max_abs, top1):
-    model = _build(tiny_gguf, tmp_path_factory, board_name, acc, f"tiny-{backend}{acc}", backend)
+    model = _load(tiny_gguf, tmp_path_factory, board_name, acc, f"tiny-{backend}{acc}", backend)
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog")
     got = _all_logits(model, ids)
     ref = Reference(read_gguf(tiny_gguf)).forward(ids)
@@ -58,8 +55,12 @@ def test_decode_steps_match_prefill(tiny_model):
 @pytest.mark.parametrize("backend,acc,max_abs,mean_abs,top1", [("onnxruntime", 0, 1.5, 0.2, 0.95),
                                                                ("onnxruntime", 4, 4.0, 0.5, 0.9),
                                                                ("native", 4, 4.0, 0.5, 0.9)])
-def test_smollm2_graph_matches_reference(real_gguf, tmp_path_factory, board_name, backend, acc, max_abs, mean_abs, top1):
-    model = _build(real_gguf, tmp_path_factory, board_name, acc, f"real-{backend}{acc}", backend)
+def test_smollm2_graph_matches_reference(real_gguf, real_artifacts, tmp_path_factory, board_name, backend, acc, max_abs,
+                                        mean_abs, top1):
+    if acc == 4:  # the default build: the session's artifacts already are that
+        model = runtime.load(real_artifacts[backend])
+    else:
+        model = _load(real_gguf, tmp_path_factory, board_name, acc, f"real-{backend}{acc}", backend)
     ids = model.chat_ids(CHAT)
     got = _all_logits(model, ids)
     ref = Reference(read_gguf(real_gguf)).forward(ids)

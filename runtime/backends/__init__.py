@@ -3,8 +3,9 @@
 A backend is any object with
     forward(ids (T,) int64, start: int, kv, scale, logits_from: int)
         -> (logits (T - logits_from, vocab) float32, present_kv (T, L, 2*KVH, D) int8, present_scale (T, L, 2*KVH, 1) float32)
-where kv (max_seq, L, 2*KVH, D) int8 and scale (max_seq, L, 2*KVH, 1) float32 are the whole cache
-(rows [0, start) live). A backend may write the new rows in place and return views of them.
+where kv int8 and scale float32 are the whole cache (positions [0, start) live), token-major
+(max_seq, L, 2*KVH, ...) unless the backend sets ``kv_layer_major = True`` ((L, max_seq, 2*KVH, ...)).
+A backend may write the new positions in place and return views of them (a layer-major one must).
 A new backend (TVM, an NPU) is a new module here plus an entry in ``open_backend``.
 """
 from __future__ import annotations

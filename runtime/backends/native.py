@@ -29,8 +29,22 @@ class _Weights(ctypes.Structure):
                     "attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "wgate", "wup", "wdown")]
 
 
-LINEARS = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "wgate": "ffn_gate", "wup": "ffn_up",
-           "wdown": "ffn_down"}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # _Weights order
+ROW_BYTES = {"Q4_1": lambda k: k // 32 * 20, "Q8_0": lambda k: k // 32 * 34, "F32": lambda k: k * 4}
+
+
+def tensor_spec(arch: dict) -> dict[str, tuple[str, int, int]]:
+    """Every tensor the C code reads: name -> (GGUF type, rows, cols). The builder checks a GGUF against
+    it; the loader checks the artifact's index against it before handing pointers to C."""
+    C, F, V = int(arch["hidden"]), int(arch["ffn"]), int(arch["vocab"])
+    HD, KD = int(arch["n_heads"]) * int(arch["head_dim"]), int(arch["n_kv_heads"]) * int(arch["head_dim"])
+    shapes = {"attn_q": (HD, C), "attn_k": (KD, C), "attn_v": (KD, C), "attn_output": (C, HD), "ffn_gate": (F, C),
+              "ffn_up": (F, C), "ffn_down": (C, F)}
+    spec = {"token_embd.weight": ("Q8_0", V, C), "output_norm.weight": ("F32", 1, C)}
+    for i in range(int(arch["n_layers"])):
+        spec.update({f"blk.{i}.{n}.weight": ("F32", 1, C) for n in ("attn_norm", "ffn_norm")})
+        spec.update({f"blk.{i}.{n}.weight": ("Q4_1",) + shapes[n] for n in LINEARS})
+    return spec
 
 
 class NativeBackend:
@@ -47,20 +61,15 @@ class NativeBackend:
         base = self.data.ctypes.data
         L = int(arch["n_layers"])
 
-        C, F, V = int(arch["hidden"]), int(arch["ffn"]), self.vocab
-        HD, KD = int(arch["n_heads"]) * int(arch["head_dim"]), int(arch["n_kv_heads"]) * int(arch["head_dim"])
-        shapes = {"attn_q": (HD, C), "attn_k": (KD, C), "attn_v": (KD, C), "attn_output": (C, HD), "ffn_gate": (F, C),
-                  "ffn_up": (F, C), "ffn_down": (C, F), "attn_norm": (1, C), "ffn_norm": (1, C), "token_embd": (V, C),
-                  "output_norm": (1, C)}
-        row_bytes = {"Q4_1": lambda k: k // 32 * 20, "Q8_0": lambda k: k // 32 * 34, "F32": lambda k: k * 4}
+        spec = tensor_spec(arch)
 
-        def ptr(name: str, want: str) -> int:
+        def ptr(name: str) -> int:
             """Address of a tensor, after checking it is where, what and as large as the C code will read."""
             if name not in tensors:
                 raise ValueError(f"native.json: no tensor {name}")
             off, nbytes, typ = tensors[name]
-            rows, cols = shapes[name.split(".")[-2]]
-            need = rows * row_bytes[want](cols)
+            want, rows, cols = spec[name]
+            need = rows * ROW_BYTES[want](cols)
             if typ != want or nbytes != need or off < 0 or off + nbytes > self.data.size:
                 raise ValueError(f"native.json: {name} is {typ}, {nbytes} bytes at {off}; expected {want}, {need} bytes "
                                  f"inside the {self.data.size}-byte GGUF")
@@ -73,14 +82,13 @@ class NativeBackend:
         self.cos, self.sin = rope_tables(LlamaConfig.from_dict(arch), max_seq)
         self._keep = []
 
-        def layer_ptrs(what: str, want: str):
-            arr = (ctypes.c_void_p * L)(*[ptr(f"blk.{i}.{what}.weight", want) for i in range(L)])
+        def layer_ptrs(what: str):
+            arr = (ctypes.c_void_p * L)(*[ptr(f"blk.{i}.{what}.weight") for i in range(L)])
             self._keep.append(arr)
             return ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
 
-        self.w = _Weights(ptr("token_embd.weight", "Q8_0"), ptr("output_norm.weight", "F32"), self.cos.ctypes.data,
-                          self.sin.ctypes.data, layer_ptrs("attn_norm", "F32"), layer_ptrs("ffn_norm", "F32"),
-                          *[layer_ptrs(t, "Q4_1") for t in LINEARS.values()])
+        self.w = _Weights(ptr("token_embd.weight"), ptr("output_norm.weight"), self.cos.ctypes.data, self.sin.ctypes.data,
+                          layer_ptrs("attn_norm"), layer_ptrs("ffn_norm"), *[layer_ptrs(t) for t in LINEARS])
         self.scratch = self.lib.bt_scratch_new(ctypes.byref(self.cfg), MAX_T)
         if not self.scratch:
             raise MemoryError("native backend: could not allocate scratch buffers")
