@@ -33,11 +33,17 @@ SYSTEM = "You are Pip, a friendly robot toy. Answer in one or two short sentence
 USER = "Why is the sky blue during the day?"
 
 
-def _prompts(tok_encode, chat_ids):
+def _prompts(tok_encode, chat_ids) -> dict:
     ids = tok_encode(TEXT.read_text(encoding="utf-8"))
     sys_ids = chat_ids([{"role": "system", "content": SYSTEM}], False)
     turn_ids = chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}], True)
-    return ids[:64], ids[:256], ids[:512], sys_ids, turn_ids
+    return {"p64": ids[:64], "p256": ids[:256], "p512": ids[:512], "sys": sys_ids, "turn": turn_ids}
+
+
+def _read_prompts(args):
+    """The token ids both workers use, made once by the driver (no worker loads the other's tokenizer)."""
+    d = json.loads(Path(args.ids).read_text())
+    return d["p64"], d["p256"], d["p512"], d["sys"], d["turn"]
 
 
 def _argmax(x):
@@ -62,7 +68,7 @@ def worker_ours(args) -> dict:
     t0 = time.perf_counter()
     m = runtime.load(args.artifact, threads=args.threads, max_context=1024)
     load_s = time.perf_counter() - t0
-    p64, p256, p512, sys_ids, turn_ids = _prompts(m.tokenizer.encode, m.chat_ids)
+    p64, p256, p512, sys_ids, turn_ids = _read_prompts(args)
     out = {"load_s": [load_s], "ttft64_ms": [], "ttft256_ms": [], "voice_ms": [], "decode_tps": []}
     for _ in range(args.reps):
         for key, p in (("ttft64_ms", p64), ("ttft256_ms", p256)):
@@ -97,16 +103,8 @@ def worker_llama(args) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    import runtime
-    from models.sources import resolve_gguf
-
-    gguf = str(resolve_gguf(runtime.load(args.artifact).manifest.source["registry_name"])) if not args.gguf else args.gguf
-    tok = runtime.load(args.artifact)  # our tokenizer: same ids for both (tests prove they match llama.cpp)
-    p64, p256, p512, sys_ids, turn_ids = _prompts(tok.tokenizer.encode, tok.chat_ids)
-    del tok
-    import gc
-
-    gc.collect()
+    gguf = args.gguf
+    p64, p256, p512, sys_ids, turn_ids = _read_prompts(args)  # our tokenizer's ids; tests prove llama.cpp's match
     t0 = time.perf_counter()
     llm = Llama(model_path=gguf, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
                 logits_all=False, verbose=False)
@@ -161,7 +159,7 @@ def worker_llama(args) -> dict:
 # ---------------------------------------------------------------------------------------- driver
 def _run_worker(which: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", which, "--artifact", str(args.artifact), "--threads", str(args.threads),
-           "--reps", str(args.reps)] + (["--gguf", args.gguf] if args.gguf else [])
+           "--reps", str(args.reps), "--gguf", args.gguf, "--ids", args.ids]
     res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if res.returncode != 0:
         print(f"  {which} worker failed:\n{res.stderr[-2000:]}", file=sys.stderr)
@@ -195,14 +193,18 @@ def main() -> int:
     ap.add_argument("--no-llama", action="store_true", help="measure boardtalk only")
     ap.add_argument("--json", help="also write all raw figures here")
     ap.add_argument("--worker", choices=["ours", "llama"], help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         res = (worker_ours if args.worker == "ours" else worker_llama)(args)
         print(json.dumps(res))
         return 0
-    if not args.artifact:
-        import runtime
+    import tempfile
 
+    import runtime
+    from models.sources import resolve_gguf
+
+    if not args.artifact:
         args.artifact = runtime.default_artifact()
         if not (Path(args.artifact) / "manifest.yaml").exists():
             import boards
@@ -210,6 +212,12 @@ def main() -> int:
 
             build_artifact("smollm2-135m-instruct", args.artifact, board=boards.detect().name,
                            backend=runtime.default_backend())
+    m = runtime.load(args.artifact)
+    args.gguf = args.gguf or str(resolve_gguf(m.manifest.source["registry_name"]))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(_prompts(m.tokenizer.encode, m.chat_ids), f)
+        args.ids = f.name
+    del m
     have_llama = not args.no_llama
     if have_llama:
         try:
@@ -224,6 +232,7 @@ def main() -> int:
             res = _run_worker(which, args)
             if res:
                 runs[which].append(res)
+    os.unlink(args.ids)
     if not runs["ours"]:
         return 1
 
