@@ -372,7 +372,7 @@ static inline void accumulate_v(float *o, const float *w, const int8_t *v, size_
 /* Scratch for up to max_t tokens per call. */
 typedef struct {
     int max_t;
-    float *h, *xn, *qkv, *att, *gu, *logits_tmp;
+    float *h, *xn, *qkv, *att, *gu;
     block_q8 *xq;
     float *scores; /* per thread: max_seq */
 } bt_scratch;
