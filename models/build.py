@@ -119,28 +119,43 @@ def _optimize_graph(art_dir: Path, files: list[str]) -> tuple[list[str], dict]:
 
 
 def _native_files(src, gguf_path: Path, out: Path, progress):
-    """The native backend runs on the GGUF's own blocks: copy the file, index its tensors."""
+    """The native backend's weights file: every tensor the C code reads, the linear layers and the
+    embedding regrouped 8 rows at a time (bytes moved, never re-rounded), 64-byte aligned, plus its index."""
     import json
 
-    from runtime.backends.native import tensor_spec
+    import numpy as np
+
+    from runtime.backends.native import INDEX_FORMAT, SOURCE_TYPE, WEIGHTS_FILE, tensor_spec
 
     from .export_onnx import ExportReport
 
     if not src.config.tie_embeddings:
         raise NotImplementedError("untied output layers are not supported by the native backend yet")
-    index = {}
-    for name, (typ, _, _) in tensor_spec(src.config.to_dict()).items():
+    spec = tensor_spec(src.config.to_dict())
+    for name, (typ, _, _) in spec.items():
         t = src.tensors.get(name)
-        if t is None or t.tensor_type.name != typ:
+        if t is None or t.tensor_type.name != SOURCE_TYPE[typ]:
             found = "missing" if t is None else t.tensor_type.name
-            raise ValueError(f"native backend needs {name} as {typ}, the GGUF has {found}; use --backend onnxruntime")
-        index[name] = [int(t.data_offset), int(t.n_bytes), typ]
-    if progress:
-        progress(0, 1, "copy GGUF")
-    shutil.copyfile(gguf_path, out / "model.gguf")
-    (out / "native.json").write_text(json.dumps({"tensors": index}, indent=0), encoding="utf-8")
-    if progress:
-        progress(1, 1, "indexed")
-    report = ExportReport(weight_bytes=sum(v[1] for v in index.values()), n_nodes=0)
+            raise ValueError(f"native backend needs {name} as {SOURCE_TYPE[typ]}, the GGUF has {found}; "
+                             "use --backend onnxruntime")
+    index, off = {}, 0
+    with open(out / WEIGHTS_FILE, "wb") as f:
+        for i, (name, (typ, rows, cols)) in enumerate(spec.items()):
+            raw = np.asarray(src.tensors[name].data).view(np.uint8).reshape(rows, -1)
+            if typ == "Q4_1x8":
+                raw = quant.interleave_q4_1(raw, cols)
+            elif typ == "Q8_0x8":
+                raw = quant.interleave_q8_0(raw, cols)
+            pad = -off % 64
+            f.write(b"\0" * pad)
+            off += pad
+            f.write(np.ascontiguousarray(raw).tobytes())
+            index[name] = [off, int(raw.nbytes), typ]
+            off += int(raw.nbytes)
+            if progress and (i % 16 == 0 or i == len(spec) - 1):
+                progress(i + 1, len(spec), "regroup weights")
+    (out / "native.json").write_text(json.dumps({"format": INDEX_FORMAT, "file": WEIGHTS_FILE, "tensors": index},
+                                                indent=0), encoding="utf-8")
+    report = ExportReport(weight_bytes=off, n_nodes=0)
     report.errors["lm_head"] = quant.QuantError(0.0, 0.0)
-    return ["model.gguf", "native.json"], report
+    return [WEIGHTS_FILE, "native.json"], report

@@ -226,3 +226,59 @@ def pack_tensor(ggml_type: str, raw: np.ndarray, K: int, scheme: str, dequantize
             raise ValueError(f"scheme q8_0 needs Q8_0 weights, this tensor is {ggml_type}")
         return from_q8_0(raw, K)
     return rtn_int4(dequantize())
+
+
+# ---------------------------------------------------------------- native backend layouts
+# The native kernels (runtime/native/bt_native.c) read weights 8 rows at a time, interleaved per
+# block of 32 columns, so one pass makes 8 outputs and each activation load serves 8 rows. The
+# regrouping only moves bytes: every d, m and nibble is the GGUF's own.
+#   Q4_1x8 (160 B per group block): f16 d[8], f16 m[8], 4 chunks of 32 B; byte 4r+i of chunk k
+#          is GGUF byte 4k+i of row r's block (q[4k+i] low nibble, q[16+4k+i] high nibble)
+#   Q8_0x8 (272 B): f16 d[8], 8 chunks of 32 B; byte 4r+i of chunk k is q[4k+i] of row r
+# Rows are padded with zero blocks to a multiple of 8.
+X8_BYTES = {"Q4_1x8": 160, "Q8_0x8": 272}
+GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+def _row_groups(raw: np.ndarray, K: int, block_bytes: int) -> np.ndarray:
+    """(N, K/32*block_bytes) rows -> (G, K/32, 8, block_bytes), zero rows appended up to a multiple of 8."""
+    N, nb = raw.shape[0], K // BLOCK
+    if K % BLOCK or raw.shape[1] != nb * block_bytes:
+        raise ValueError(f"not rows of {nb} blocks of {block_bytes} bytes: raw shape {raw.shape}")
+    blocks = raw.reshape(N, nb, block_bytes)
+    if N % 8:
+        blocks = np.concatenate([blocks, np.zeros((8 - N % 8, nb, block_bytes), np.uint8)])
+    return blocks.reshape(-1, 8, nb, block_bytes).transpose(0, 2, 1, 3)
+
+
+def interleave_q4_1(raw: np.ndarray, K: int) -> np.ndarray:
+    """GGUF Q4_1 rows (N, K/32*20) -> Q4_1x8 groups (ceil(N/8), K/32, 160) uint8."""
+    g = _row_groups(raw, K, 20)
+    G, nb = g.shape[:2]
+    qs = g[..., 4:].reshape(G, nb, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 128)  # (k, r, i)
+    return np.concatenate([g[..., 0:2].reshape(G, nb, 16), g[..., 2:4].reshape(G, nb, 16), qs], axis=-1)
+
+
+def interleave_q8_0(raw: np.ndarray, K: int) -> np.ndarray:
+    """GGUF Q8_0 rows (N, K/32*34) -> Q8_0x8 groups (ceil(N/8), K/32, 272) uint8."""
+    g = _row_groups(raw, K, 34)
+    G, nb = g.shape[:2]
+    qs = g[..., 2:].reshape(G, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
+    return np.concatenate([g[..., 0:2].reshape(G, nb, 16), qs], axis=-1)
+
+
+def deinterleave(groups: np.ndarray, typ: str, N: int) -> np.ndarray:
+    """The inverse: x8 groups -> the GGUF rows they came from (N, K/32*block bytes)."""
+    G, nb, _ = groups.shape
+    if typ == "Q4_1x8":
+        d = groups[..., 0:16].reshape(G, nb, 8, 2)
+        m = groups[..., 16:32].reshape(G, nb, 8, 2)
+        qs = groups[..., 32:].reshape(G, nb, 4, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 16)
+        rows = np.concatenate([d, m, qs], axis=-1)
+    elif typ == "Q8_0x8":
+        d = groups[..., 0:16].reshape(G, nb, 8, 2)
+        qs = groups[..., 16:].reshape(G, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 32)
+        rows = np.concatenate([d, qs], axis=-1)
+    else:
+        raise ValueError(f"not an interleaved type: {typ}")
+    return rows.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:N]

@@ -19,7 +19,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: native artifacts carry weights.bin (8-row groups) instead of the GGUF
 MANIFEST = "manifest.yaml"
 BACKENDS = ("onnxruntime", "native", "tvm")
 

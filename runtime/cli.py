@@ -30,13 +30,30 @@ def _artifact(args) -> Path:
     board = args.board or boards.detect().name
     backend = runtime.default_backend()
     path = runtime.default_artifact(board=board, backend=backend)
-    if not (path / "manifest.yaml").exists():
+    stale = _stale(path)
+    if stale or not (path / "manifest.yaml").exists():
         from models.build import build_artifact
         from models.sources import DEFAULT_MODEL
 
-        print(f"boardtalk: no artifact yet; building the default one ({backend}) at {path} (once)", file=sys.stderr)
+        why = f"{stale}; rebuilding" if stale else "no artifact yet; building"
+        print(f"boardtalk: {why} the default one ({backend}) at {path} (once)", file=sys.stderr)
         build_artifact(DEFAULT_MODEL, path, board=board, backend=backend, progress=_progress)
     return path
+
+
+def _stale(path: Path) -> str | None:
+    """Why the cached default artifact cannot be read by this boardtalk (an older format), or None."""
+    from runtime.artifact import FORMAT_VERSION
+
+    try:
+        import yaml
+
+        version = yaml.safe_load((path / "manifest.yaml").read_text(encoding="utf-8")).get("format_version")
+    except (OSError, AttributeError, ValueError, ImportError):
+        return None  # missing (built below) or damaged (loading reports it)
+    if version != FORMAT_VERSION:
+        return f"the default artifact has format {version}, this boardtalk reads {FORMAT_VERSION}"
+    return None
 
 
 def _load(args):

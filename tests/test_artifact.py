@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import runtime
-from runtime.artifact import ArtifactError
+from runtime.artifact import FORMAT_VERSION, ArtifactError
 
 
 @pytest.fixture()
@@ -25,7 +25,7 @@ def _edit_manifest(d, fn):
 
 def test_good_artifact_loads(art):
     m = runtime.load(art)
-    assert m.manifest.format_version == 1 and m.manifest.backend == "onnxruntime"
+    assert m.manifest.format_version == FORMAT_VERSION and m.manifest.backend == "onnxruntime"
 
 
 def _graph(d):
@@ -64,7 +64,7 @@ def test_unlisted_graph_is_rejected(art):
 
 def test_wrong_format_version_is_rejected(art):
     _edit_manifest(art, lambda m: m.update(format_version=99))
-    with pytest.raises(ArtifactError, match="format_version 99 is not supported; this runtime reads version 1"):
+    with pytest.raises(ArtifactError, match="format_version 99 is not supported; this runtime reads version 2"):
         runtime.load(art)
 
 
@@ -117,10 +117,10 @@ def test_native_index_that_does_not_match_the_architecture_is_rejected(tiny_arti
     d = tmp_path / "n"
     shutil.copytree(tiny_artifacts["native"], d)
     idx = json.loads((d / "native.json").read_text())
-    idx["tensors"]["blk.1.ffn_down.weight"][1] -= 20  # one Q4_1 block short
+    idx["tensors"]["blk.1.ffn_down.weight"][1] -= 160  # one group block short
     (d / "native.json").write_text(json.dumps(idx))
     m = load_manifest(d, verify_files=False).to_dict()
     m.pop("files"), m.pop("format_version")
-    write_manifest(d, m, ["model.gguf", "native.json", "tokenizer.json"])
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1, \d+ bytes .* expected Q4_1, \d+ bytes"):
+    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.json"])
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1x8, \d+ bytes .* expected Q4_1x8, \d+ bytes"):
         runtime.load(d)

@@ -43,7 +43,7 @@ def _cli(*args, env=None):
                           env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})), timeout=600)
 
 
-@pytest.mark.parametrize("backend,progress", [("native", "indexed"), ("onnxruntime", "layer 1")])
+@pytest.mark.parametrize("backend,progress", [("native", "regroup weights"), ("onnxruntime", "layer 1")])
 def test_cli_build_generate_perplexity(tiny_gguf, tmp_path, backend, progress):
     out = tmp_path / "art"
     r = _cli("build", "--model", str(tiny_gguf), "--board", "host", "--backend", backend, "--out", str(out),

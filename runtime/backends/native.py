@@ -1,8 +1,8 @@
-"""Native backend: one C call per forward pass over the GGUF's own Q4_1/Q8_0 blocks (runtime/native/bt_native.c).
+"""Native backend: one C call per forward pass over the GGUF's Q4_1/Q8_0 blocks (runtime/native/bt_native.c).
 
-The artifact carries the source GGUF (memory-mapped, never copied or re-rounded) and
-``native.json``, the byte offset and type of every tensor in it. K/V are written straight
-into the runtime's int8 cache.
+The artifact carries ``weights.bin`` (memory-mapped; the GGUF's blocks regrouped 8 rows at a
+time, never re-rounded: models/quant.py ``interleave_*``) and ``native.json``, the byte offset
+and type of every tensor in it. K/V are written straight into the runtime's int8 cache.
 """
 from __future__ import annotations
 
@@ -30,7 +30,17 @@ class _Weights(ctypes.Structure):
 
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # _Weights order
-ROW_BYTES = {"Q4_1": lambda k: k // 32 * 20, "Q8_0": lambda k: k // 32 * 34, "F32": lambda k: k * 4}
+INDEX_FORMAT = 2  # native.json: 1 indexed a copied GGUF; 2 indexes weights.bin with 8-row groups
+WEIGHTS_FILE = "weights.bin"
+SOURCE_TYPE = {"Q4_1x8": "Q4_1", "Q8_0x8": "Q8_0", "F32": "F32"}  # the GGUF type each is made from
+
+
+def tensor_bytes(typ: str, rows: int, cols: int) -> int:
+    if typ == "F32":
+        return rows * cols * 4
+    from models.quant import X8_BYTES
+
+    return -(-rows // 8) * (cols // 32) * X8_BYTES[typ]
 
 
 def tensor_spec(arch: dict) -> dict[str, tuple[str, int, int]]:
@@ -40,24 +50,31 @@ def tensor_spec(arch: dict) -> dict[str, tuple[str, int, int]]:
     HD, KD = int(arch["n_heads"]) * int(arch["head_dim"]), int(arch["n_kv_heads"]) * int(arch["head_dim"])
     shapes = {"attn_q": (HD, C), "attn_k": (KD, C), "attn_v": (KD, C), "attn_output": (C, HD), "ffn_gate": (F, C),
               "ffn_up": (F, C), "ffn_down": (C, F)}
-    spec = {"token_embd.weight": ("Q8_0", V, C), "output_norm.weight": ("F32", 1, C)}
+    spec = {"token_embd.weight": ("Q8_0x8", V, C), "output_norm.weight": ("F32", 1, C)}
     for i in range(int(arch["n_layers"])):
         spec.update({f"blk.{i}.{n}.weight": ("F32", 1, C) for n in ("attn_norm", "ffn_norm")})
-        spec.update({f"blk.{i}.{n}.weight": ("Q4_1",) + shapes[n] for n in LINEARS})
+        spec.update({f"blk.{i}.{n}.weight": ("Q4_1x8",) + shapes[n] for n in LINEARS})
+    if any(shapes[n][0] % 8 for n in ("attn_q", "attn_k", "ffn_gate")):  # the C code stacks QKV and gate|up by groups
+        raise ValueError(f"native backend: q, k and gate widths must be multiples of 8, got {shapes}")
     return spec
 
 
 class NativeBackend:
     kv_layer_major = True  # attention streams one layer's positions: they must be contiguous
 
-    def __init__(self, gguf: Path, index: Path, arch: dict, max_seq: int, threads: int):
+    def __init__(self, weights: Path, index: Path, arch: dict, max_seq: int, threads: int):
         from runtime.native import library
 
+        meta = json.loads(index.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT or meta.get("file") != weights.name:
+            found = meta.get("format", 1) if isinstance(meta, dict) else "?"
+            raise ValueError(f"native.json: format {found} for {weights.name}; this runtime reads format {INDEX_FORMAT} "
+                             f"({WEIGHTS_FILE}): rebuild the artifact with this boardtalk")
+        tensors = meta["tensors"]
         self.lib = library()
         self.threads = threads
         self.vocab = int(arch["vocab"])
-        self.data = np.memmap(gguf, dtype=np.uint8, mode="r")
-        tensors = json.loads(index.read_text(encoding="utf-8"))["tensors"]
+        self.data = np.memmap(weights, dtype=np.uint8, mode="r")
         base = self.data.ctypes.data
         L = int(arch["n_layers"])
 
@@ -69,10 +86,10 @@ class NativeBackend:
                 raise ValueError(f"native.json: no tensor {name}")
             off, nbytes, typ = tensors[name]
             want, rows, cols = spec[name]
-            need = rows * ROW_BYTES[want](cols)
+            need = tensor_bytes(want, rows, cols)
             if typ != want or nbytes != need or off < 0 or off + nbytes > self.data.size:
                 raise ValueError(f"native.json: {name} is {typ}, {nbytes} bytes at {off}; expected {want}, {need} bytes "
-                                 f"inside the {self.data.size}-byte GGUF")
+                                 f"inside the {self.data.size}-byte {weights.name}")
             return base + off
 
         self.cfg = _Config(L, arch["hidden"], arch["n_heads"], arch["n_kv_heads"], arch["head_dim"], arch["ffn"],

@@ -1,5 +1,5 @@
-/* boardtalk native backend: a Llama forward pass straight over GGUF Q4_1 / Q8_0 blocks,
- * with the int8 KV cache written in place.
+/* boardtalk native backend: a Llama forward pass over GGUF Q4_1 / Q8_0 blocks (regrouped 8 rows
+ * at a time by the artifact builder, never re-rounded), with the int8 KV cache written in place.
  *
  * Why it exists: through ONNX Runtime the decoder is ~1500 small graph nodes and a decode
  * step of SmolLM2-135M spends more time dispatching them than reading weights (see
@@ -7,9 +7,8 @@
  * int8 blocks of 32 (d, d*sum) once per matrix, and each weight block is used as stored
  * (w = d*q + m), so no weight is ever re-rounded.
  *
- * Layouts (all row-major, C-contiguous):
- *   Q4_1 block (20 B): f16 d, f16 m, 16 B nibbles; byte j = q[j] | q[j+16] << 4
- *   Q8_0 block (34 B): f16 d, 32 x int8
+ * Layouts:
+ *   weights: Q4_1x8 / Q8_0x8 row groups, described at the matrix kernels below
  *   KV cache: kv (L, max_seq, 2*KVH, D) int8, scale (L, max_seq, 2*KVH) float32 (layer-major: a
  *             layer's positions are contiguous, so attention streams them; token-major also works),
  *             K heads first, scale = max(absmax/127, 1e-30), q = round-half-even(x/scale)
@@ -42,12 +41,12 @@ typedef struct {
     int32_t kv_layer_major; /* cache layout: 1 = (L, max_seq, 2*KVH, D), 0 = (max_seq, L, 2*KVH, D) */
 } bt_config;
 
-typedef struct { /* pointers into the mmapped GGUF, per layer arrays of L entries */
-    const uint8_t *tok_embd;     /* Q8_0 (vocab, hidden) */
+typedef struct { /* pointers into the mmapped weights file, per layer arrays of L entries */
+    const uint8_t *tok_embd;     /* Q8_0x8 (vocab, hidden): embedding and tied output layer */
     const float *output_norm;    /* (hidden) */
     const float *rope_cos, *rope_sin;
     const float **attn_norm, **ffn_norm;
-    const uint8_t **wq, **wk, **wv, **wo, **wgate, **wup, **wdown; /* Q4_1 */
+    const uint8_t **wq, **wk, **wv, **wo, **wgate, **wup, **wdown; /* Q4_1x8 */
 } bt_weights;
 
 typedef struct { float d, s; int8_t qs[QK]; } block_q8; /* activations: s = d * sum(qs) */
@@ -138,163 +137,245 @@ static void quantize_q8(const float *x, block_q8 *y, int K) {
     }
 }
 
-/* ---------------------------------------------------------------- dot products */
+/* ---------------------------------------------------------------- matrix kernels
+ * Weights are stored 8 rows interleaved per block of 32 columns, so one pass computes 8 outputs
+ * with no horizontal sums, and each activation load serves 8 rows:
+ *   Q4_1x8 (160 B): f16 d[8], f16 m[8], then 4 chunks of 32 B; byte 4r+i of chunk k holds
+ *                   q[r][4k+i] in its low nibble and q[r][16+4k+i] in its high one (w = d*q + m)
+ *   Q8_0x8 (272 B): f16 d[8], then 8 chunks of 32 B; byte 4r+i of chunk k is q[r][4k+i] (w = d*q)
+ * A matrix is its row groups one after another, each group's blocks in column order; the
+ * last group is padded with zero rows. Every token is computed with the same operations in the
+ * same order whatever tile it falls in, so prefill and decode give bit-identical results. */
+#define BT_INLINE static inline __attribute__((always_inline))
+#define Q4X8 160
+#define Q8X8 272
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
 #if defined(BT_AVX2)
-static inline float hsum8(__m256 v) { /* fixed order: prefill and decode must sum alike */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
+/* NT tokens (x[j * ldx + b]) against one row group: y[j * ldy + r] for r < 8 */
+BT_INLINE void q4x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int j = 0; j < NT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q4X8) {
+        __m256i s[4]; /* int16 sums: 8 products of <= 15 * 127 per pair stay below 2^15 */
+        for (int j = 0; j < NT; j++) s[j] = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256i P = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * k));
+            const __m256i lo = _mm256_and_si256(P, m4), hi = _mm256_and_si256(_mm256_srli_epi16(P, 4), m4);
+            for (int j = 0; j < NT; j++) {
+                const int8_t *q = x[(size_t)j * ldx + b].qs;
+                s[j] = _mm256_add_epi16(s[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ld32(q + 4 * k))));
+                s[j] = _mm256_add_epi16(s[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ld32(q + 16 + 4 * k))));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
+        for (int j = 0; j < NT; j++) {
+            const block_q8 *xb = x + (size_t)j * ldx + b;
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[j], ones));
+            acc[j] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[j]);
+            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[j]);
+        }
+    }
+    for (int j = 0; j < NT; j++) _mm256_storeu_ps(y + (size_t)j * ldy, acc[j]);
 }
 
-/* A Q4_1 block's scale d, min m and its 32 nibbles as bytes q[0..15] | q[16..31] */
-static inline __m256i q4_1_unpack(const uint8_t *w, float *d, float *m) {
-    uint32_t dm32;
-    memcpy(&dm32, w, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)); /* d and m in one conversion */
-    *d = _mm_cvtss_f32(dm);
-    *m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+BT_INLINE void q8x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int j = 0; j < NT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q8X8) {
+        __m256i s[4];
+        for (int j = 0; j < NT; j++) s[j] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            const __m256i W = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
+            const __m256i aw = _mm256_abs_epi8(W); /* maddubs wants one unsigned operand: |w| * (x with w's sign) */
+            for (int j = 0; j < NT; j++) {
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x[(size_t)j * ldx + b].qs + 4 * k)), W);
+                s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        for (int j = 0; j < NT; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(d, _mm256_set1_ps(x[(size_t)j * ldx + b].d)),
+                                     acc[j]);
+    }
+    for (int j = 0; j < NT; j++) _mm256_storeu_ps(y + (size_t)j * ldy, acc[j]);
 }
 #elif defined(BT_NEON)
-/* w0.a0 + w1.a1 over 2 x 16 int8 lanes, as 4 int32 partial sums */
-static inline int32x4_t neon_dot32(int8x16_t w0, int8x16_t a0, int8x16_t w1, int8x16_t a1) {
+/* acc (4 rows) += w (4 rows x 4 int8) . lane l of x (4 int8) */
 #if defined(__ARM_FEATURE_DOTPROD)
-    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, a0), w1, a1);
+#define DOTL(acc, w, x, l) vdotq_laneq_s32(acc, w, x, l)
 #else
-    int16x8_t p0 = vmlal_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(a0)), vget_high_s8(w0), vget_high_s8(a0));
-    int16x8_t p1 = vmlal_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(a1)), vget_high_s8(w1), vget_high_s8(a1));
-    return vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
-#endif
+#define DOTL(acc, w, x, l) dot_lane_(acc, w, vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), l)))
+static inline int32x4_t dot_lane_(int32x4_t acc, int8x16_t w, int8x16_t xl) {
+    const int32x4_t a = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(xl))); /* rows 0,1: 2 pair sums each */
+    const int32x4_t b = vpaddlq_s16(vmull_high_s8(w, xl));                       /* rows 2,3 */
+    return vaddq_s32(acc, vpaddq_s32(a, b));
 }
 #endif
-static float dot_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
-#if defined(BT_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.f;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < nb; b++, w += 20) {
-        float d, m;
-        const __m256i q = q4_1_unpack(w, &d, &m);
-        __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones); /* 8 x int32 */
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
-        accm = fmaf(m, x[b].s, accm);
-    }
-    return hsum8(acc) + accm;
-#elif defined(BT_NEON)
-    float32x4_t acc = vdupq_n_f32(0.f);
-    float accm = 0.f;
-    for (int b = 0; b < nb; b++, w += 20) {
-        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
-        uint8x16_t raw = vld1q_u8(w + 4);
-        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
-        int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
-        int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
-        int32x4_t p = neon_dot32(lo, a0, hi, a1);
-        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
-        accm = fmaf(m, x[b].s, accm);
-    }
-    return vaddvq_f32(acc) + accm;
-#else
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++, w += 20) {
-        const float d = f16_to_f32(rd16(w)), m = f16_to_f32(rd16(w + 2));
-        int isum = 0;
-        for (int j = 0; j < 16; j++) {
-            isum += (w[4 + j] & 0x0f) * x[b].qs[j] + (w[4 + j] >> 4) * x[b].qs[j + 16];
+static inline float32x4_t f16x4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+
+BT_INLINE void q4x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0f);
+    float32x4_t acc[4][2];
+    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++, w += Q4X8) {
+        int32x4_t s[4][2];
+        int8x16_t x0[4], x1[4];
+        for (int j = 0; j < NT; j++) {
+            s[j][0] = s[j][1] = vdupq_n_s32(0);
+            x0[j] = vld1q_s8(x[(size_t)j * ldx + b].qs);
+            x1[j] = vld1q_s8(x[(size_t)j * ldx + b].qs + 16);
         }
-        sum += d * x[b].d * (float)isum + m * x[b].s;
-    }
-    return sum;
-#endif
-}
-
-static float dot_q8_0(const uint8_t *w, const block_q8 *x, int nb) {
-#if defined(BT_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < nb; b++, w += 34) {
-        const float d = f16_to_f32(rd16(w));
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i a = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        /* maddubs needs an unsigned operand: |q| * (a with q's sign) */
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(p), acc);
-    }
-    return hsum8(acc);
-#elif defined(BT_NEON)
-    float32x4_t acc = vdupq_n_f32(0.f);
-    for (int b = 0; b < nb; b++, w += 34) {
-        const float d = f16_to_f32(rd16(w));
-        int8x16_t q0 = vld1q_s8((const int8_t *)w + 2), q1 = vld1q_s8((const int8_t *)w + 18);
-        int8x16_t a0 = vld1q_s8(x[b].qs), a1 = vld1q_s8(x[b].qs + 16);
-        int32x4_t p = neon_dot32(q0, a0, q1, a1);
-        acc = vmlaq_n_f32(acc, vcvtq_f32_s32(p), d * x[b].d);
-    }
-    return vaddvq_f32(acc);
-#else
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++, w += 34) {
-        const float d = f16_to_f32(rd16(w));
-        int isum = 0;
-        for (int j = 0; j < QK; j++) isum += ((const int8_t *)w)[2 + j] * x[b].qs[j];
-        sum += d * x[b].d * (float)isum;
-    }
-    return sum;
-#endif
-}
-
-#if defined(BT_AVX2)
-/* Four tokens against one Q4_1 row: the row's blocks are unpacked once for all four (prefill). */
-static void dot_q4_1_x4(const uint8_t *w, const block_q8 *x, int nb, float *out, int stride) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    float accm[4] = {0.f, 0.f, 0.f, 0.f};
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < nb; b++, w += 20) {
-        float d, m;
-        const __m256i q = q4_1_unpack(w, &d, &m);
-        for (int t = 0; t < 4; t++) {
-            const block_q8 *xb = x + (size_t)t * nb + b;
-            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[t]);
-            accm[t] = fmaf(m, xb->s, accm[t]);
+#define Q4STEP(k)                                                                                            \
+        do {                                                                                                 \
+            const uint8x16_t Pa = vld1q_u8(w + 32 + 32 * (k)), Pb = vld1q_u8(w + 48 + 32 * (k));             \
+            const int8x16_t la = vreinterpretq_s8_u8(vandq_u8(Pa, m4)), ha = vreinterpretq_s8_u8(vshrq_n_u8(Pa, 4)); \
+            const int8x16_t lb = vreinterpretq_s8_u8(vandq_u8(Pb, m4)), hb = vreinterpretq_s8_u8(vshrq_n_u8(Pb, 4)); \
+            for (int j = 0; j < NT; j++) {                                                                   \
+                s[j][0] = DOTL(DOTL(s[j][0], la, x0[j], k), ha, x1[j], k);                                   \
+                s[j][1] = DOTL(DOTL(s[j][1], lb, x0[j], k), hb, x1[j], k);                                   \
+            }                                                                                                \
+        } while (0)
+        Q4STEP(0); Q4STEP(1); Q4STEP(2); Q4STEP(3);
+#undef Q4STEP
+        const float32x4_t d0 = f16x4(w), d1 = f16x4(w + 8), m0 = f16x4(w + 16), m1 = f16x4(w + 24);
+        for (int j = 0; j < NT; j++) {
+            const block_q8 *xb = x + (size_t)j * ldx + b;
+            acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(s[j][0]), vmulq_n_f32(d0, xb->d));
+            acc[j][1] = vfmaq_f32(acc[j][1], vcvtq_f32_s32(s[j][1]), vmulq_n_f32(d1, xb->d));
+            acc[j][0] = vfmaq_n_f32(acc[j][0], m0, xb->s);
+            acc[j][1] = vfmaq_n_f32(acc[j][1], m1, xb->s);
         }
     }
-    for (int t = 0; t < 4; t++) out[(size_t)t * stride] = hsum8(acc[t]) + accm[t];
+    for (int j = 0; j < NT; j++) {
+        vst1q_f32(y + (size_t)j * ldy, acc[j][0]);
+        vst1q_f32(y + (size_t)j * ldy + 4, acc[j][1]);
+    }
+}
+
+BT_INLINE void q8x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    float32x4_t acc[4][2];
+    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++, w += Q8X8) {
+        int32x4_t s[4][2];
+        int8x16_t x0[4], x1[4];
+        for (int j = 0; j < NT; j++) {
+            s[j][0] = s[j][1] = vdupq_n_s32(0);
+            x0[j] = vld1q_s8(x[(size_t)j * ldx + b].qs);
+            x1[j] = vld1q_s8(x[(size_t)j * ldx + b].qs + 16);
+        }
+#define Q8STEP(k, xv, l)                                                                                     \
+        do {                                                                                                 \
+            const int8x16_t Wa = vld1q_s8((const int8_t *)w + 16 + 32 * (k)), Wb = vld1q_s8((const int8_t *)w + 32 + 32 * (k)); \
+            for (int j = 0; j < NT; j++) {                                                                   \
+                s[j][0] = DOTL(s[j][0], Wa, xv[j], l);                                                       \
+                s[j][1] = DOTL(s[j][1], Wb, xv[j], l);                                                       \
+            }                                                                                                \
+        } while (0)
+        Q8STEP(0, x0, 0); Q8STEP(1, x0, 1); Q8STEP(2, x0, 2); Q8STEP(3, x0, 3);
+        Q8STEP(4, x1, 0); Q8STEP(5, x1, 1); Q8STEP(6, x1, 2); Q8STEP(7, x1, 3);
+#undef Q8STEP
+        const float32x4_t d0 = f16x4(w), d1 = f16x4(w + 8);
+        for (int j = 0; j < NT; j++) {
+            const float xd = x[(size_t)j * ldx + b].d;
+            acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(s[j][0]), vmulq_n_f32(d0, xd));
+            acc[j][1] = vfmaq_f32(acc[j][1], vcvtq_f32_s32(s[j][1]), vmulq_n_f32(d1, xd));
+        }
+    }
+    for (int j = 0; j < NT; j++) {
+        vst1q_f32(y + (size_t)j * ldy, acc[j][0]);
+        vst1q_f32(y + (size_t)j * ldy + 4, acc[j][1]);
+    }
+}
+#else
+BT_INLINE void q4x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    for (int j = 0; j < NT; j++) {
+        float acc[8] = {0};
+        const uint8_t *wb = w;
+        for (int b = 0; b < nb; b++, wb += Q4X8) {
+            const block_q8 *xb = x + (size_t)j * ldx + b;
+            for (int r = 0; r < 8; r++) {
+                int isum = 0;
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = wb[32 + 32 * k + 4 * r + i];
+                        isum += (v & 15) * xb->qs[4 * k + i] + (v >> 4) * xb->qs[16 + 4 * k + i];
+                    }
+                acc[r] = fmaf((float)isum, f16_to_f32(rd16(wb + 2 * r)) * xb->d, acc[r]);
+                acc[r] = fmaf(f16_to_f32(rd16(wb + 16 + 2 * r)), xb->s, acc[r]);
+            }
+        }
+        memcpy(y + (size_t)j * ldy, acc, sizeof acc);
+    }
+}
+
+BT_INLINE void q8x8_tile(const uint8_t *w, int nb, const block_q8 *x, int ldx, float *y, int ldy, const int NT) {
+    for (int j = 0; j < NT; j++) {
+        float acc[8] = {0};
+        const uint8_t *wb = w;
+        for (int b = 0; b < nb; b++, wb += Q8X8) {
+            const block_q8 *xb = x + (size_t)j * ldx + b;
+            for (int r = 0; r < 8; r++) {
+                int isum = 0;
+                for (int k = 0; k < 8; k++)
+                    for (int i = 0; i < 4; i++) isum += ((const int8_t *)wb)[16 + 32 * k + 4 * r + i] * xb->qs[4 * k + i];
+                acc[r] = fmaf((float)isum, f16_to_f32(rd16(wb + 2 * r)) * xb->d, acc[r]);
+            }
+        }
+        memcpy(y + (size_t)j * ldy, acc, sizeof acc);
+    }
 }
 #endif
 
-static inline const uint8_t *row_ptr(int n, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2,
-                                     int nb, int bsize) {
-    if (n < N0) return W0 + (size_t)n * nb * bsize;
-    if (n < N0 + N1) return W1 + (size_t)(n - N0) * nb * bsize;
-    return W2 + (size_t)(n - N0 - N1) * nb * bsize;
+/* All T tokens against one row group, four at a time (the group's weights stay in L1). */
+static void group_matmul(const uint8_t *w, int nb, const block_q8 *x, int T, float *y, int ldy, int q8) {
+    int t = 0;
+    if (q8) {
+        for (; t + 4 <= T; t += 4) q8x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 4);
+        switch (T - t) {
+        case 3: q8x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 3); break;
+        case 2: q8x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 2); break;
+        case 1: q8x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 1); break;
+        }
+    } else {
+        for (; t + 4 <= T; t += 4) q4x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 4);
+        switch (T - t) {
+        case 3: q4x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 3); break;
+        case 2: q4x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 2); break;
+        case 1: q4x8_tile(w, nb, x + (size_t)t * nb, nb, y + (size_t)t * ldy, ldy, 1); break;
+        }
+    }
 }
 
 /* y[t][n] = W[n] . x[t] for n < N, t < T, where the rows of W are those of up to three matrices
- * stacked (fused QKV, gate|up: one parallel region instead of three); rows of nb blocks of bsize bytes. */
+ * stacked (fused QKV, gate|up: one parallel region instead of three). N0 and N1 are multiples
+ * of 8; the last matrix may end in a padded group, whose extra rows are computed and dropped. */
 static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2, int N2,
-                    const block_q8 *xq, int nb, int T, int q8_0) {
-    const int bsize = q8_0 ? 34 : 20, N = N0 + N1 + N2;
+                    const block_q8 *xq, int nb, int T, int q8) {
+    const size_t gbytes = (size_t)nb * (q8 ? Q8X8 : Q4X8);
+    const int N = N0 + N1 + N2, G0 = N0 / 8, G1 = N1 / 8, G = (N + 7) / 8;
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = row_ptr(n, W0, N0, W1, N1, W2, nb, bsize);
-        int t = 0;
-#if defined(BT_AVX2)
-        if (!q8_0) /* prefill: the row is unpacked once for four tokens; same sums in the same order as dot_q4_1 */
-            for (; t + 4 <= T; t += 4) dot_q4_1_x4(wr, xq + (size_t)t * nb, nb, y + (size_t)t * ldy + n, ldy);
-#endif
-        for (; t < T; t++) {
-            y[(size_t)t * ldy + n] = q8_0 ? dot_q8_0(wr, xq + (size_t)t * nb, nb) : dot_q4_1(wr, xq + (size_t)t * nb, nb);
+    for (int g = 0; g < G; g++) {
+        const int n = 8 * g;
+        const uint8_t *wg = n < N0 ? W0 + g * gbytes : n < N0 + N1 ? W1 + (g - G0) * gbytes : W2 + (g - G0 - G1) * gbytes;
+        if (n + 8 <= N) {
+            group_matmul(wg, nb, xq, T, y + n, ldy, q8);
+        } else { /* padded last group: compute into a buffer, keep the real rows */
+            float tmp[8 * 4];
+            for (int t = 0; t < T; t += 4) {
+                const int nt = T - t < 4 ? T - t : 4;
+                group_matmul(wg, nb, xq + (size_t)t * nb, nt, tmp, 8, q8);
+                for (int j = 0; j < nt; j++) memcpy(y + (size_t)(t + j) * ldy + n, tmp + 8 * j, sizeof(float) * (N - n));
+            }
         }
     }
 }
 
-static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8_0) {
-    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8_0);
+static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8) {
+    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8);
 }
 
 static void rmsnorm(float *o, const float *x, const float *w, int n, float eps) {
@@ -323,6 +404,15 @@ static void quantize_head(const float *x, int8_t *q, float *scale, int D) {
     for (int i = 0; i < D; i++) q[i] = (int8_t)lrintf(x[i] / s); /* lrintf: round half to even */
     *scale = s;
 }
+
+#if defined(BT_AVX2)
+static inline float hsum8(__m256 v) { /* fixed order: prefill and decode must sum alike */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 /* q (D floats) . k (D int8) */
 static inline float dot_f32_i8(const float *q, const int8_t *k, int D) {
@@ -419,12 +509,13 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
     /* head row of (layer l, position p, head j) = lbase(l) + p * pstride + j */
     const size_t pstride = c->kv_layer_major ? (size_t)2 * KVH : (size_t)L * 2 * KVH;
 #define LBASE(l) (c->kv_layer_major ? (size_t)(l) * c->max_seq * 2 * KVH : (size_t)(l) * 2 * KVH)
-    for (int t = 0; t < T; t++) { /* embedding: Q8_0 row */
+    for (int t = 0; t < T; t++) { /* embedding: row r of a Q8_0x8 group */
         if (ids[t] < 0 || ids[t] >= c->vocab) return 4;
-        const uint8_t *e = w->tok_embd + (size_t)ids[t] * nbC * 34;
-        for (int b = 0; b < nbC; b++) {
-            const float d = f16_to_f32(rd16(e + b * 34));
-            for (int j = 0; j < QK; j++) s->h[t * C + b * QK + j] = d * (float)((const int8_t *)e)[b * 34 + 2 + j];
+        const int r = (int)(ids[t] % 8);
+        const uint8_t *e = w->tok_embd + (size_t)(ids[t] / 8) * nbC * Q8X8;
+        for (int b = 0; b < nbC; b++, e += Q8X8) {
+            const float d = f16_to_f32(rd16(e + 2 * r));
+            for (int j = 0; j < QK; j++) s->h[t * C + b * QK + j] = d * (float)((const int8_t *)e)[16 + 32 * (j / 4) + 4 * r + j % 4];
         }
     }
     double prof_t = prof_on ? NOW() : 0.0;

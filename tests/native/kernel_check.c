@@ -1,4 +1,4 @@
-/* Checks the SIMD dot products of bt_native.c (AVX2 / NEON / NEON dotprod, whichever this build
+/* Checks the SIMD matrix kernels of bt_native.c (AVX2 / NEON / NEON dotprod, whichever this build
  * selects) against plain scalar arithmetic on random blocks. Prints "N passed, M failed".
  * Built and run by tests/test_native_kernels.py: natively, and for aarch64 under qemu when a cross
  * compiler is installed. */
@@ -26,29 +26,77 @@ static float ref_q8_0(const uint8_t *w, const block_q8 *x, int nb) {
     return (float)sum;
 }
 
+/* The builder's regrouping (models/quant.py interleave_*), written out independently from the layout comment */
+static void interleave_q4_1(const uint8_t *rows, int N, int nb, uint8_t *out) {
+    memset(out, 0, (size_t)(N + 7) / 8 * nb * Q4X8);
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *src = rows + ((size_t)n * nb + b) * 20;
+            uint8_t *g = out + ((size_t)(n / 8) * nb + b) * Q4X8;
+            const int r = n % 8;
+            memcpy(g + 2 * r, src, 2);
+            memcpy(g + 16 + 2 * r, src + 2, 2);
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 4; i++) {
+                    /* q[j] = low nibble of byte j (j < 16), high nibble of byte j - 16 */
+                    const int j0 = 4 * k + i, j1 = 16 + 4 * k + i;
+                    const int q0 = src[4 + j0] & 15, q1 = src[4 + j1 - 16] >> 4;
+                    g[32 + 32 * k + 4 * r + i] = (uint8_t)(q0 | q1 << 4);
+                }
+        }
+}
+
+static void interleave_q8_0(const uint8_t *rows, int N, int nb, uint8_t *out) {
+    memset(out, 0, (size_t)(N + 7) / 8 * nb * Q8X8);
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *src = rows + ((size_t)n * nb + b) * 34;
+            uint8_t *g = out + ((size_t)(n / 8) * nb + b) * Q8X8;
+            const int r = n % 8;
+            memcpy(g + 2 * r, src, 2);
+            for (int k = 0; k < 8; k++)
+                for (int i = 0; i < 4; i++) g[16 + 32 * k + 4 * r + i] = src[2 + 4 * k + i];
+        }
+}
+
 int main(void) {
-    enum { NB = 18, ROWS = 64 };
-    static uint8_t w4[ROWS][NB * 20], w8[ROWS][NB * 34];
-    static block_q8 x[4 * NB];
-    static float xf[4 * NB * QK];
+    enum { NB = 18, ROWS = 61, TOK = 7 }; /* 61 rows: a padded last group; 7 tokens: tiles of 4, 3, 2, 1 */
+    static uint8_t w4[ROWS][NB * 20], w8[ROWS][NB * 34], g4[(ROWS + 7) / 8 * NB * Q4X8], g8[(ROWS + 7) / 8 * NB * Q8X8];
+    static block_q8 x[TOK * NB];
+    static float xf[TOK * NB * QK], y4[TOK][ROWS], y8[TOK][ROWS], y1[ROWS];
     int passed = 0, failed = 0;
     srand(7);
-    for (int i = 0; i < 4 * NB * QK; i++) xf[i] = (float)(rand() % 2001 - 1000) / 250.f;
+    for (int i = 0; i < TOK * NB * QK; i++) xf[i] = (float)(rand() % 2001 - 1000) / 250.f;
     for (int i = 0; i < QK; i++) xf[i] = (float)(i - 16) * 0.5f; /* exact halves: round-half-even cases */
     for (int i = QK; i < 2 * QK; i++) xf[i] = 0.f;             /* an all-zero block */
-    for (int t = 0; t < 4; t++) quantize_q8(xf + t * NB * QK, x + t * NB, NB * QK);
+    for (int i = 0; i < QK; i++) xf[2 * NB * QK + 5 * QK + i] = (i % 2 ? -1.f : 1.f) * 3.f; /* extreme +-127 values */
+    for (int t = 0; t < TOK; t++) quantize_q8(xf + t * NB * QK, x + t * NB, NB * QK);
     for (int r = 0; r < ROWS; r++) {
         for (int b = 0; b < NB; b++) {
             uint16_t d = (uint16_t)(0x1c00 + rand() % 0x800), m = (uint16_t)(0x9c00 + rand() % 0x800);
             memcpy(&w4[r][b * 20], &d, 2);
             memcpy(&w4[r][b * 20 + 2], &m, 2);
-            for (int j = 0; j < 16; j++) w4[r][b * 20 + 4 + j] = (uint8_t)rand();
+            for (int j = 0; j < 16; j++) w4[r][b * 20 + 4 + j] = (uint8_t)(r == 3 ? 0xff : rand()); /* row 3: all 15s */
             memcpy(&w8[r][b * 34], &d, 2);
-            for (int j = 0; j < QK; j++) w8[r][b * 34 + 2 + j] = (uint8_t)(rand() % 255 + 129); /* int8 -127..127 */
+            for (int j = 0; j < QK; j++) w8[r][b * 34 + 2 + j] = (uint8_t)(rand() % 256); /* int8 -128..127 */
         }
-        for (int t = 0; t < 4; t++) {
-            float a = dot_q4_1(w4[r], x + t * NB, NB), e = ref_q4_1(w4[r], x + t * NB, NB);
-            float b = dot_q8_0(w8[r], x + t * NB, NB), f = ref_q8_0(w8[r], x + t * NB, NB);
+    }
+    interleave_q4_1(&w4[0][0], ROWS, NB, g4);
+    interleave_q8_0(&w8[0][0], ROWS, NB, g8);
+    matmul(&y4[0][0], ROWS, g4, ROWS, x, NB, TOK, 0);
+    matmul(&y8[0][0], ROWS, g8, ROWS, x, NB, TOK, 1);
+    for (int t = 0; t < TOK; t++) {
+        /* one token alone (decode) must give the same bits as inside a tile (prefill) */
+        matmul(y1, ROWS, g4, ROWS, x + t * NB, NB, 1, 0);
+        int same = !memcmp(y1, y4[t], sizeof y1);
+        matmul(y1, ROWS, g8, ROWS, x + t * NB, NB, 1, 1);
+        same &= !memcmp(y1, y8[t], sizeof y1);
+        if (!same) fprintf(stderr, "token %d: alone differs from in a tile\n", t);
+        passed += same;
+        failed += !same;
+        for (int r = 0; r < ROWS; r++) {
+            float a = y4[t][r], e = ref_q4_1(w4[r], x + t * NB, NB);
+            float b = y8[t][r], f = ref_q8_0(w8[r], x + t * NB, NB);
             int ok4 = fabsf(a - e) <= 1e-4f * (1.f + fabsf(e)), ok8 = fabsf(b - f) <= 1e-4f * (1.f + fabsf(f));
             if (!ok4) fprintf(stderr, "q4_1 row %d token %d: %.7g vs %.7g\n", r, t, a, e);
             if (!ok8) fprintf(stderr, "q8_0 row %d token %d: %.7g vs %.7g\n", r, t, b, f);
@@ -57,7 +105,7 @@ int main(void) {
         }
     }
     /* quantize_q8 (SIMD where built) against the plain definition, bit for bit */
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < TOK; t++) {
         for (int b = 0; b < NB; b++) {
             const float *xb = xf + (size_t)(t * NB + b) * QK;
             float amax = 0.f;
