@@ -405,57 +405,183 @@ static void quantize_head(const float *x, int8_t *q, float *scale, int D) {
     *scale = s;
 }
 
+/* ---------------------------------------------------------------- attention and activations */
 #if defined(BT_AVX2)
-static inline float hsum8(__m256 v) { /* fixed order: prefill and decode must sum alike */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
+/* e^x for 8 floats: 2^n * p(r), r = x - n ln2, |r| <= ln2/2; a degree-6 polynomial, ~2 ulp */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* the 8 horizontal sums of v[0..7], in order */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+static inline __m256 i8x8_to_f32(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #endif
 
-/* q (D floats) . k (D int8) */
-static inline float dot_f32_i8(const float *q, const int8_t *k, int D) {
+/* x[i] <- e^(x[i] - mx); returns the sum */
+static float exp_shift_sum(float *x, int n, float mx) {
+    int i = 0;
+    float sum = 0.f;
 #if defined(BT_AVX2)
-    if (D % 16 == 0) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 16) {
-            __m128i k16 = _mm_loadu_si128((const __m128i *)(k + i));
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k16)), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(k16, 8))), a1);
-        }
-        return hsum8(_mm256_add_ps(a0, a1));
+    __m256 s8 = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(x + i, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, s8);
+    for (int j = 0; j < 8; j++) sum += t[j];
+#endif
+    for (; i < n; i++) { x[i] = expf(x[i] - mx); sum += x[i]; }
+    return sum;
+}
+
+/* a[i] <- silu(g[i]) * u[i] */
+static void swiglu(float *a, const float *g, const float *u, int n) {
+    int i = 0;
+#if defined(BT_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
 #endif
-    float dot = 0.f;
-    for (int i = 0; i < D; i++) dot += q[i] * (float)k[i];
-    return dot;
+    for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* o (D) = sum_p w[p] * v_p, v_p = v + p * stride int8 values */
-static inline void accumulate_v(float *o, const float *w, const int8_t *v, size_t stride, int n, int D) {
+#define ACH 32    /* positions per attention chunk: each gets its own softmax partial, merged in order */
+#define GMAX 16   /* query heads per KV head */
+
+/* Attention of the G query heads q (G x D) sharing one KV head, over positions [p0, p1) (p1 - p0 <= ACH).
+ * k/v: that head's rows at position 0, kst/vst: their scales; positions are pst rows apart.
+ * part (G x (D + 2)): per head the unnormalized sum of e^(s - m) v, then m, then the sum of e^(s - m).
+ * Inlined with G a constant (attn_chunk below), so the per-head accumulators stay in registers. */
+BT_INLINE void attn_chunk_g(const float *q, int D, float q_scale, const int8_t *k, const float *ks, const int8_t *v,
+                            const float *vs, size_t pst, int p0, int p1, float *part, const int G) {
+    const int n = p1 - p0;
+    float sc[GMAX][ACH];
 #if defined(BT_AVX2)
-    if (D == 64) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int p = 0; p < n; p++) {
-            const int8_t *vp = v + (size_t)p * stride;
-            const __m256 wp = _mm256_set1_ps(w[p]);
-            for (int j = 0; j < 4; j++) {
-                __m128i v16 = _mm_loadu_si128((const __m128i *)(vp + 16 * j));
-                acc[2 * j] = _mm256_fmadd_ps(wp, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v16)), acc[2 * j]);
-                acc[2 * j + 1] = _mm256_fmadd_ps(wp, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v16, 8))),
-                                                 acc[2 * j + 1]);
+    if (D % 16 == 0) {
+        __m256 dots[GMAX][8];
+        for (int p = 0; p < n; p++) { /* each K row is widened once for all G heads */
+            const int8_t *kp = k + (size_t)(p0 + p) * pst * D;
+            __m256 a[GMAX];
+            for (int g = 0; g < G; g++) a[g] = _mm256_setzero_ps();
+            for (int i = 0; i < D; i += 8) {
+                const __m256 kf = i8x8_to_f32(kp + i);
+                for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kf, a[g]);
+            }
+            for (int g = 0; g < G; g++) dots[g][p % 8] = a[g];
+            if (p % 8 == 7 || p == n - 1) { /* 8 positions' sums at once */
+                const int b = p - p % 8;
+                for (int g = 0; g < G; g++) {
+                    for (int j = p % 8 + 1; j < 8; j++) dots[g][j] = _mm256_setzero_ps();
+                    float t8[8];
+                    _mm256_storeu_ps(t8, hsum8x8(dots[g]));
+                    for (int j = 0; j <= p % 8; j++) sc[g][b + j] = t8[j];
+                }
             }
         }
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+    } else
+#endif
+    for (int p = 0; p < n; p++) {
+        const int8_t *kp = k + (size_t)(p0 + p) * pst * D;
+        for (int g = 0; g < G; g++) {
+            float dot = 0.f;
+            for (int i = 0; i < D; i++) dot += q[g * D + i] * (float)kp[i];
+            sc[g][p] = dot;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float mx = -INFINITY, *s = sc[g], *o = part + (size_t)g * (D + 2);
+        for (int p = 0; p < n; p++) {
+            s[p] *= ks[(size_t)(p0 + p) * pst] * q_scale;
+            mx = s[p] > mx ? s[p] : mx;
+        }
+        o[D] = mx;
+        o[D + 1] = exp_shift_sum(s, n, mx);
+        for (int p = 0; p < n; p++) s[p] *= vs[(size_t)(p0 + p) * pst];
+    }
+#if defined(BT_AVX2)
+    if (D % 16 == 0) {
+        for (int i = 0; i < D; i += 16) { /* each V slice is widened once for all G heads; 2G chains in flight */
+            __m256 acc[GMAX][2];
+            for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+            for (int p = 0; p < n; p++) {
+                const int8_t *vp = v + (size_t)(p0 + p) * pst * D + i;
+                const __m256 v0 = i8x8_to_f32(vp), v1 = i8x8_to_f32(vp + 8);
+                for (int g = 0; g < G; g++) {
+                    const __m256 w = _mm256_broadcast_ss(&sc[g][p]);
+                    acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                _mm256_storeu_ps(part + (size_t)g * (D + 2) + i, acc[g][0]);
+                _mm256_storeu_ps(part + (size_t)g * (D + 2) + i + 8, acc[g][1]);
+            }
+        }
         return;
     }
 #endif
-    for (int i = 0; i < D; i++) o[i] = 0.f;
-    for (int p = 0; p < n; p++) {
-        const int8_t *vp = v + (size_t)p * stride;
-        for (int i = 0; i < D; i++) o[i] += w[p] * (float)vp[i];
+    for (int g = 0; g < G; g++) {
+        float *o = part + (size_t)g * (D + 2);
+        for (int i = 0; i < D; i++) o[i] = 0.f;
+        for (int p = 0; p < n; p++) {
+            const int8_t *vp = v + (size_t)(p0 + p) * pst * D;
+            for (int i = 0; i < D; i++) o[i] += sc[g][p] * (float)vp[i];
+        }
+    }
+}
+
+static void attn_chunk(const float *q, int G, int D, float q_scale, const int8_t *k, const float *ks, const int8_t *v,
+                       const float *vs, size_t pst, int p0, int p1, float *part) {
+    for (int p = p0; p < p1; p++) { /* the rows are pst rows apart, likely out of cache: ask for all at once */
+        __builtin_prefetch(k + (size_t)p * pst * D);
+        __builtin_prefetch(v + (size_t)p * pst * D);
+    }
+#define CASE(g) case g: attn_chunk_g(q, D, q_scale, k, ks, v, vs, pst, p0, p1, part, g); break
+    switch (G) {
+        CASE(1); CASE(2); CASE(3); CASE(4); CASE(5); CASE(6); CASE(7); CASE(8);
+        default: attn_chunk_g(q, D, q_scale, k, ks, v, vs, pst, p0, p1, part, G);
+    }
+#undef CASE
+}
+
+/* out (G x D, head stride D) = the chunks' partials (nch x G x (D + 2)) combined, in chunk order */
+static void attn_merge(const float *parts, int nch, int G, int D, float *out) {
+    for (int g = 0; g < G; g++) {
+        float mx = -INFINITY, l = 0.f, *o = out + (size_t)g * D;
+        for (int c = 0; c < nch; c++) {
+            const float m = parts[((size_t)c * G + g) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        for (int i = 0; i < D; i++) o[i] = 0.f;
+        for (int c = 0; c < nch; c++) {
+            const float *pc = parts + ((size_t)c * G + g) * (D + 2), f = expf(pc[D] - mx);
+            l += f * pc[D + 1];
+            for (int i = 0; i < D; i++) o[i] += f * pc[i];
+        }
+        const float inv = 1.f / l;
+        for (int i = 0; i < D; i++) o[i] *= inv;
     }
 }
 
@@ -464,7 +590,7 @@ typedef struct {
     int max_t;
     float *h, *xn, *qkv, *att, *gu;
     block_q8 *xq;
-    float *scores; /* per thread: max_seq */
+    float *parts; /* attention partials: per thread (prefill) or per KV head (decode), max_seq/ACH chunks of G x (D+2) */
 } bt_scratch;
 
 void *bt_scratch_new(const bt_config *c, int max_t) {
@@ -479,15 +605,16 @@ void *bt_scratch_new(const bt_config *c, int max_t) {
     s->att = (float *)malloc(sizeof(float) * (size_t)max_t * C);
     s->gu = (float *)malloc(sizeof(float) * (size_t)max_t * 2 * F);
     s->xq = (block_q8 *)malloc(sizeof(block_q8) * (size_t)max_t * (widest / QK));
-    s->scores = (float *)malloc(sizeof(float) * (size_t)BT_MAX_THREADS * c->max_seq);
-    if (!s->h || !s->xn || !s->qkv || !s->att || !s->gu || !s->xq || !s->scores) return NULL;
+    const int nch = (c->max_seq + ACH - 1) / ACH, slots = BT_MAX_THREADS > c->n_kv_heads ? BT_MAX_THREADS : c->n_kv_heads;
+    s->parts = (float *)malloc(sizeof(float) * (size_t)slots * nch * c->n_heads / c->n_kv_heads * (c->head_dim + 2));
+    if (!s->h || !s->xn || !s->qkv || !s->att || !s->gu || !s->xq || !s->parts) return NULL;
     return s;
 }
 
 void bt_scratch_free(void *p) {
     bt_scratch *s = (bt_scratch *)p;
     if (!s) return;
-    free(s->h); free(s->xn); free(s->qkv); free(s->att); free(s->gu); free(s->xq); free(s->scores);
+    free(s->h); free(s->xn); free(s->qkv); free(s->att); free(s->gu); free(s->xq); free(s->parts);
     free(s);
 }
 
@@ -500,6 +627,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
     if (T < 1 || T > s->max_t) return 1;
     if (start < 0 || start + T > c->max_seq) return 2;
     if (logits_from < -1 || logits_from >= T) return 3; /* -1: no logits wanted (an early prefill chunk) */
+    if (c->n_heads % c->n_kv_heads || c->n_heads / c->n_kv_heads > GMAX) return 5;
 #ifdef _OPENMP
     if (n_threads > BT_MAX_THREADS) n_threads = BT_MAX_THREADS;
     if (n_threads > 0) omp_set_num_threads(n_threads);
@@ -538,27 +666,39 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
                 quantize_head(q + H * D + j * D, kv + r * D, kv_scale + r, D);
             }
         }
+        TICK(P_OTHER);
+        /* attention: token t's G query heads of KV head kvh over positions 0..start+t, in chunks of ACH
+         * positions; each chunk's partial is computed and merged the same way whichever thread runs it,
+         * so a token's result does not depend on T (prefill and decode agree bit for bit) */
+        const size_t kv0 = LBASE(l);
+        const int8_t *kl = kv + kv0 * D;
+        const float *sl = kv_scale + kv0;
+        const size_t PG = (size_t)G * (D + 2);
+        if (T == 1) { /* decode: chunks of all KV heads spread over the threads */
+            const int n = start + 1, nch = (n + ACH - 1) / ACH;
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int th = 0; th < T * H; th++) { /* attention of token t, head h over positions 0..start+t */
-            const int t = th / H, h = th % H, kvh = h / G, n = start + t + 1;
-            const float *q = s->qkv + t * QKV + h * D;
-#ifdef _OPENMP
-            float *sc = s->scores + (size_t)omp_get_thread_num() * c->max_seq;
-#else
-            float *sc = s->scores;
-#endif
-            float mx = -INFINITY;
-            const size_t rk = LBASE(l) + kvh, rv = rk + KVH; /* rows of this head at position 0 */
-            for (int p = 0; p < n; p++) {
-                const size_t r = (size_t)p * pstride + rk;
-                sc[p] = dot_f32_i8(q, kv + r * D, D) * kv_scale[r] * c->q_scale;
-                if (sc[p] > mx) mx = sc[p];
+            for (int it = 0; it < KVH * nch; it++) {
+                const int kvh = it / nch, ch = it % nch, p0 = ch * ACH, p1 = p0 + ACH < n ? p0 + ACH : n;
+                attn_chunk(s->qkv + kvh * G * D, G, D, c->q_scale, kl + (size_t)kvh * D, sl + kvh, kl + (size_t)(KVH + kvh) * D,
+                           sl + KVH + kvh, pstride, p0, p1, s->parts + ((size_t)kvh * nch + ch) * PG);
             }
-            float sum = 0.f;
-            for (int p = 0; p < n; p++) { sc[p] = expf(sc[p] - mx); sum += sc[p]; }
-            const float inv = 1.f / sum;
-            for (int p = 0; p < n; p++) sc[p] *= inv * kv_scale[(size_t)p * pstride + rv];
-            accumulate_v(s->att + t * C + h * D, sc, kv + rv * D, pstride * D, n, D);
+            for (int kvh = 0; kvh < KVH; kvh++) attn_merge(s->parts + (size_t)kvh * nch * PG, nch, G, D, s->att + kvh * G * D);
+        } else {
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int it = 0; it < T * KVH; it++) {
+                const int t = it / KVH, kvh = it % KVH, n = start + t + 1, nch = (n + ACH - 1) / ACH;
+#ifdef _OPENMP
+                float *parts = s->parts + (size_t)omp_get_thread_num() * ((c->max_seq + ACH - 1) / ACH) * PG;
+#else
+                float *parts = s->parts;
+#endif
+                for (int ch = 0; ch < nch; ch++) {
+                    const int p0 = ch * ACH, p1 = p0 + ACH < n ? p0 + ACH : n;
+                    attn_chunk(s->qkv + (size_t)t * QKV + kvh * G * D, G, D, c->q_scale, kl + (size_t)kvh * D, sl + kvh,
+                               kl + (size_t)(KVH + kvh) * D, sl + KVH + kvh, pstride, p0, p1, parts + (size_t)ch * PG);
+                }
+                attn_merge(parts, nch, G, D, s->att + (size_t)t * C + kvh * G * D);
+            }
         }
         TICK(P_ATTN);
 #pragma omp parallel for if (T > 1)
@@ -578,7 +718,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
 #pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) {
             float *g = s->gu + (size_t)t * 2 * F, *a = s->xn + (size_t)t * F;
-            for (int i = 0; i < F; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[F + i];
+            swiglu(a, g, g + F, F);
             quantize_q8(a, s->xq + t * nbF, F);
         }
         TICK(P_OTHER);

@@ -123,6 +123,63 @@ int main(void) {
             failed += !same;
         }
     }
+    /* attention: chunks of ACH positions merged, against softmax in double, for SIMD and scalar head sizes */
+    {
+        enum { NPOS = 77, KVH = 2, GQ = 3, DMAX = 64 };
+        static int8_t kvc[NPOS * 2 * KVH * DMAX];
+        static float kvs[NPOS * 2 * KVH], qh[GQ * DMAX], parts[3 * GQ * (DMAX + 2)], out[GQ * DMAX];
+        for (int D = 16; D <= DMAX; D = D == 16 ? 24 : D == 24 ? 64 : DMAX + 1) { /* 24: the scalar path */
+            for (int i = 0; i < NPOS * 2 * KVH * D; i++) kvc[i] = (int8_t)(rand() % 255 - 127);
+            for (int i = 0; i < NPOS * 2 * KVH; i++) kvs[i] = (float)(rand() % 1000 + 1) / 20000.f;
+            for (int i = 0; i < GQ * D; i++) qh[i] = (float)(rand() % 2001 - 1000) / 100.f;
+            const int kvh = 1, pst = 2 * KVH, nch = (NPOS + ACH - 1) / ACH;
+            for (int ch = 0; ch < nch; ch++) {
+                const int p0 = ch * ACH, p1 = p0 + ACH < NPOS ? p0 + ACH : NPOS;
+                attn_chunk(qh, GQ, D, 0.125f, kvc + kvh * D, kvs + kvh, kvc + (KVH + kvh) * D, kvs + KVH + kvh, pst, p0, p1,
+                           parts + ch * GQ * (D + 2));
+            }
+            attn_merge(parts, nch, GQ, D, out);
+            for (int g = 0; g < GQ; g++) {
+                double sc[NPOS], mx = -1e300, sum = 0.0;
+                for (int p = 0; p < NPOS; p++) {
+                    double dot = 0.0;
+                    for (int i = 0; i < D; i++) dot += (double)qh[g * D + i] * kvc[(p * pst + kvh) * D + i];
+                    sc[p] = dot * kvs[p * pst + kvh] * 0.125;
+                    mx = sc[p] > mx ? sc[p] : mx;
+                }
+                for (int p = 0; p < NPOS; p++) { sc[p] = exp(sc[p] - mx); sum += sc[p]; }
+                int ok = 1;
+                for (int i = 0; i < D; i++) {
+                    double o = 0.0;
+                    for (int p = 0; p < NPOS; p++) o += sc[p] / sum * kvs[p * pst + KVH + kvh] * kvc[(p * pst + KVH + kvh) * D + i];
+                    ok &= fabs(out[g * D + i] - o) <= 1e-4 * (1.0 + fabs(o));
+                }
+                if (!ok) fprintf(stderr, "attention D=%d head %d differs\n", D, g);
+                passed += ok;
+                failed += !ok;
+            }
+        }
+    }
+    /* the vector exp (inside softmax and SiLU) against exp in double, over a dense grid */
+    {
+        enum { NX = 4096 };
+        static float xs[NX], ys[NX], gs[64], us[64], as[64];
+        double worst = 0.0, ref = 0.0;
+        for (int i = 0; i < NX; i++) xs[i] = ys[i] = -80.f + 164.f * i / NX; /* -80 .. 84 */
+        const float sum = exp_shift_sum(ys, NX, 0.f);
+        for (int i = 0; i < NX; i++) {
+            const double e = exp((double)xs[i]), rel = fabs(ys[i] - e) / e;
+            worst = rel > worst ? rel : worst;
+            ref += e;
+        }
+        int ok = worst <= 2.5e-7 && fabs(sum - ref) <= 1e-6 * ref;
+        for (int i = 0; i < 64; i++) { gs[i] = (float)(i - 32) * 0.37f; us[i] = 1.f + 0.01f * i; }
+        swiglu(as, gs, us, 64);
+        for (int i = 0; i < 64; i++) ok &= fabsf(as[i] - gs[i] / (1.f + expf(-gs[i])) * us[i]) <= 1e-6f * (1.f + fabsf(as[i]));
+        if (!ok) fprintf(stderr, "exp / swiglu: worst relative error %.3g\n", worst);
+        passed += ok;
+        failed += !ok;
+    }
     /* quantize_head: round half to even, floor on the scale */
     float hv[64] = {0};
     int8_t hq[64];
