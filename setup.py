@@ -3,7 +3,7 @@ import platform
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-CORE = ["numpy>=1.26", "onnxruntime>=1.20", "onnx>=1.17", "gguf>=0.17", "tokenizers>=0.20", "pyyaml>=6", "jinja2>=3.1"]
+CORE = ["numpy>=1.26", "onnxruntime>=1.20", "onnx>=1.17", "gguf>=0.17", "regex>=2023.0", "pyyaml>=6", "jinja2>=3.1"]
 ARCH_FLAG = "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
 
 
@@ -36,7 +36,7 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=CORE,
     extras_require={
-        "dev": ["pytest>=7", "psutil>=5"],
+        "dev": ["pytest>=7", "psutil>=5", "tokenizers>=0.20"],  # tokenizers: the reference the tests compare with
         "tvm": ["apache-tvm==0.27.*"],
         "voice": ["sounddevice", "faster-whisper", "piper-tts"],
         # llama.cpp as the comparison peer; compiles from source (~20 min on 2 cores)

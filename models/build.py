@@ -39,7 +39,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     from runtime.artifact import write_manifest
 
     from .export_onnx import ExportOptions, build_graph, save
-    from .tokenizer import build_tokenizer, stop_ids
+    from .tokenizer import bpe_file_text, stop_ids
 
     profile = boards.get(board)
     if backend not in BACKENDS:
@@ -52,6 +52,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     gguf_path = resolve_gguf(model)
     src = read_gguf(gguf_path)
     cfg = src.config
+    bpe_text = bpe_file_text(src.tokenizer)  # an unsupported tokenizer fails here, before the long part
     ctx = min(max_context or profile.max_context, cfg.context_length)
     log.info("building %s for %s: %d layers, hidden %d, scheme %s, context %d", src.name, board, cfg.n_layers,
              cfg.hidden, scheme, ctx)
@@ -73,14 +74,14 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
             optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
         if optimize:
             files, graph_info = _optimize_graph(tmp, files)
-    (tmp / "tokenizer.json").write_text(build_tokenizer(src.tokenizer).to_str(), encoding="utf-8")
-    files.append("tokenizer.json")
+    (tmp / "tokenizer.bpe").write_text(bpe_text, encoding="utf-8")
+    files.append("tokenizer.bpe")
     s = quant.SCHEMES[scheme]
     fields = {
         "tool_version": TOOL_VERSION,
         "model": {"name": src.name, "architecture": cfg.to_dict(),
                   "source": {"file": gguf_path.name, "sha256": sha256_file(gguf_path), "registry_name": model}},
-        "tokenizer": {"file": "tokenizer.json", "bos_id": src.tokenizer.bos_id, "eos_id": src.tokenizer.eos_id,
+        "tokenizer": {"file": "tokenizer.bpe", "bos_id": src.tokenizer.bos_id, "eos_id": src.tokenizer.eos_id,
                       "stop_ids": stop_ids(src.tokenizer)},
         "chat_template": src.tokenizer.chat_template,
         "quantization": {"scheme": scheme, "bits": s.bits, "group_size": s.block_size, "symmetric": s.symmetric,

@@ -5,7 +5,7 @@
     for delta in model.chat([{"role": "user", "content": "hi"}], runtime.GenerationConfig(max_new_tokens=64)):
         print(delta, end="")
 
-Importing this package is cheap: onnxruntime, tokenizers and yaml load on ``load()``.
+Importing this package is cheap: onnxruntime, regex and yaml load on ``load()``.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
         tok = Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
     finally:
         verifier.wait_all()
-    _release_freed_memory()  # parsing the tokenizer JSON leaves ~20 MB of freed heap behind
+    _release_freed_memory()  # give back the heap freed while loading (split lines of the tokenizer file)
     backend = open_backend(m, art, profile.resolved_threads(), profile.provider, ctx)
     model = Model(m, backend, tok, ctx, profile)
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,

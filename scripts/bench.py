@@ -56,7 +56,7 @@ def _argmax(x):
 def worker_ours(args) -> dict:
     import numpy as np
 
-    import tokenizers  # noqa: F401  imports are not part of load time (for either runtime)
+    import regex  # noqa: F401  imports are not part of load time (for either runtime)
     import yaml
 
     import runtime

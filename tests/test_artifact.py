@@ -42,9 +42,9 @@ def test_flipped_byte_is_rejected(art):
 
 
 def test_truncated_file_is_rejected(art):
-    p = art / "tokenizer.json"
+    p = art / "tokenizer.bpe"
     p.write_bytes(p.read_bytes()[:-10])
-    with pytest.raises(ArtifactError, match=r"tokenizer\.json: size \d+ bytes, manifest says \d+"):
+    with pytest.raises(ArtifactError, match=r"tokenizer\.bpe: size \d+ bytes, manifest says \d+"):
         runtime.load(art)
 
 
@@ -121,6 +121,6 @@ def test_native_index_that_does_not_match_the_architecture_is_rejected(tiny_arti
     (d / "native.json").write_text(json.dumps(idx))
     m = load_manifest(d, verify_files=False).to_dict()
     m.pop("files"), m.pop("format_version")
-    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.json"])
+    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.bpe"])
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1x8, \d+ bytes .* expected Q4_1x8, \d+ bytes"):
         runtime.load(d)

@@ -75,11 +75,11 @@ def test_int8_kv_quality_cost_on_smollm2(real_gguf):
     """The cost of the 8-bit cache alone, in the float64 reference: int8 K/V vs unquantized K/V.
     Measured on this text: max logit error 0.83, mean 0.09, top-1 agreement 100 %; on 512 tokens of
     the Apache-2.0 text, perplexity 16.52 vs 16.39 (+0.8 %, docs/performance.md)."""
-    from models.tokenizer import build_tokenizer
+    from models.tokenizer import bpe_file_text
     from runtime.tokenizer import Tokenizer
 
     gguf = read_gguf(real_gguf)
-    ids = Tokenizer(build_tokenizer(gguf.tokenizer).to_str()).encode("The quick brown fox jumps over the lazy dog. " * 6)
+    ids = Tokenizer(bpe_file_text(gguf.tokenizer)).encode("The quick brown fox jumps over the lazy dog. " * 6)
     ref = Reference(gguf)
     q, f = ref.forward(ids, kv_int8=True), ref.forward(ids, kv_int8=False)
     err = np.abs(q - f)

@@ -10,10 +10,67 @@ FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "tokenizer_smollm2.j
 @pytest.fixture(scope="module")
 def real_tok(real_gguf):
     from models.arch import read_gguf
-    from models.tokenizer import build_tokenizer
+    from models.tokenizer import bpe_file_text
     from runtime.tokenizer import Tokenizer
 
-    return Tokenizer(build_tokenizer(read_gguf(real_gguf).tokenizer).to_str())
+    return Tokenizer(bpe_file_text(read_gguf(real_gguf).tokenizer))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(real_gguf):
+    """Hugging Face tokenizers built from the same GGUF: the second reference (llama.cpp's ids are the first)."""
+    from models.arch import read_gguf
+    from models.tokenizer import build_tokenizer
+
+    return build_tokenizer(read_gguf(real_gguf).tokenizer)
+
+
+def _fuzz_texts(n: int, seed: int = 0) -> list[str]:
+    r"""Random mixes of the things pre-tokenizers and merges disagree on: runs of spaces before digits,
+    tabs/CR/LF, control separators (\x1c-\x1f are not whitespace to the GPT-2 pattern), NBSP and
+    ideographic space, contractions, numbers of other kinds (Roman numerals, fractions, superscripts),
+    combining marks, CJK, emoji with ZWJ and skin tones, and special-token text."""
+    import random
+
+    rng = random.Random(seed)
+    atoms = [" ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", "\x1c", "\x1f", "\x85", "\xa0", "\u3000", "\u2028", "'s",
+             "'ll", "'T", "’re", "0", "42", "2024", "3.14", "½", "²", "Ⅻ", "٣", "a", "the", "The", " quick", "naïve",
+             "e\u0301", "Привет", "中文", "日本語", "한국어", "مرحبا", "👍🏽", "👨‍👩‍👧", "🇫🇷", "<|im_end|>", "<|im_start|>",
+             "<|endoftext|>", "==", "->", "{}", "$", "...", "--", "x_y", "camelCase", "HTTPServer", "\x00", "\ufeff"]
+    return ["".join(rng.choice(atoms) for _ in range(rng.randint(1, 14))) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_same_ids_as_hf_tokenizers_on_fuzzed_text(real_tok, hf_tok):
+    hf_tok.encode_special_tokens = True  # plain text: special-token strings are text
+    for text in _fuzz_texts(3000):
+        assert real_tok.encode(text) == hf_tok.encode(text, add_special_tokens=False).ids, repr(text)
+    hf_tok.encode_special_tokens = False  # template markup: special-token strings are specials
+    for text in _fuzz_texts(500, seed=1):
+        assert real_tok.encode_with_specials(text) == hf_tok.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_tiny_tokenizer_matches_hf_tokenizers(tiny_gguf):
+    from models.arch import read_gguf
+    from models.tokenizer import bpe_file_text, build_tokenizer
+    from runtime.tokenizer import Tokenizer
+
+    data = read_gguf(tiny_gguf).tokenizer
+    ours, hf = Tokenizer(bpe_file_text(data)), build_tokenizer(data)
+    hf.encode_special_tokens = True
+    for text in _fuzz_texts(300, seed=2) + ["the the  theater", "in a tin"]:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+@pytest.mark.parametrize("bad,msg", [("", "not 'boardtalk-bpe 1'"), ("boardtalk-bpe 1\npre smollm\ncontrol\nuser\ntokens 5\na\n",
+                                                                      "truncated"),
+                                     ("boardtalk-bpe 1\npre bert\ncontrol\nuser\ntokens 0\nmerges 0\n", "unknown"),
+                                     ("boardtalk-bpe 1\npre gpt2\ncontrol x\n", "invalid literal")])
+def test_malformed_tokenizer_file_is_a_clear_error(bad, msg):
+    from runtime.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match=f"tokenizer file is malformed.*{msg}"):
+        Tokenizer(bad)
 
 
 @pytest.mark.slow
