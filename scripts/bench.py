@@ -46,6 +46,18 @@ def _read_prompts(args):
     return d["p64"], d["p256"], d["p512"], d["sys"], d["turn"]
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM belongs to the address space exec made, unlike ru_maxrss, which
+    a child inherits from the parent's peak at fork (the driver's bandwidth buffer would count)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _argmax(x):
     import numpy as np
 
@@ -91,7 +103,15 @@ def worker_ours(args) -> dict:
         for _ in range(128):
             tok = _argmax(m.decode_step(tok))
         out["decode_tps"].append(128 / (time.perf_counter() - t))
-    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before perplexity, as for llama.cpp
+    out["rss_mib"] = _peak_rss_mib()  # before perplexity, as for llama.cpp
+    if hasattr(m.backend, "profile"):  # where the time goes: one more pass of each, with the phase timers on
+        m.reset()
+        m.backend.profile(True)
+        tok = _argmax(m.prefill(p64))
+        out["profile_prefill64_ms"] = {k: v * 1e3 for k, v in m.backend.profile(True).items()}
+        for _ in range(128):
+            tok = _argmax(m.decode_step(tok))
+        out["profile_decode_ms"] = {k: v * 1e3 / 128 for k, v in m.backend.profile(False).items()}
     ppl, n = m.perplexity(p512)
     out["ppl"] = ppl
     out["ppl_tokens"] = n
@@ -140,7 +160,7 @@ def worker_llama(args) -> dict:
             llm.eval([tk])
             tk = _argmax(last_logits())
         out["decode_tps"].append(128 / (time.perf_counter() - t))
-    out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_mib"] = _peak_rss_mib()
     llm.close()
     # perplexity with every position's logits (f16 KV, llama.cpp's default)
     llm = Llama(model_path=gguf, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
@@ -165,6 +185,16 @@ def _run_worker(which: str, args) -> dict | None:
         print(f"  {which} worker failed:\n{res.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _bandwidth(threads: int) -> float:
+    """Streaming read GB/s of this machine with these threads (0 when the native kernels are not built)."""
+    try:
+        from runtime.native import library
+
+        return library().bt_read_bandwidth(256 << 20, threads, 5)
+    except (ImportError, OSError):
+        return 0.0
 
 
 def _stat(xs):
@@ -225,6 +255,7 @@ def main() -> int:
         except ImportError:
             print("llama-cpp-python not installed (pip install -e .[bench]); measuring boardtalk only", file=sys.stderr)
             have_llama = False
+    bandwidth = _bandwidth(args.threads)
     runs: dict[str, list[dict]] = {"ours": [], "llama": []}
     for r in range(args.rounds):
         for which in ("ours", "llama") if have_llama else ("ours",):
@@ -233,6 +264,7 @@ def main() -> int:
             if res:
                 runs[which].append(res)
     os.unlink(args.ids)
+    bandwidth = max(bandwidth, _bandwidth(args.threads))  # best of before and after: the machine is shared
     if not runs["ours"]:
         return 1
 
@@ -261,9 +293,69 @@ def main() -> int:
             table[key] = {"ours": o}
         print(f"{label:34} {cell_o:>26} {cell_l:>26} {ratio:>7}")
     print("ratio = boardtalk / llama.cpp (lower is better except decode tok/s)")
+    if runs["llama"]:
+        _targets(table)
+    roof = _roofline(args, runs, bandwidth)
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "raw": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"table": table, "roofline": roof, "raw": runs}, indent=1))
     return 0
+
+
+TARGETS = [  # issue #3: key, target ratio boardtalk / llama.cpp, higher is better
+    ("ttft64_ms", 0.15, False), ("ttft256_ms", 0.2, False), ("voice_ms", 0.3, False), ("decode_tps", 3.0, True),
+    ("rss_mib", 0.7, False), ("load_s", 1.0, False), ("ppl", 1.01, False)]
+
+
+def _targets(table) -> None:
+    print("\ntargets (ratio to llama.cpp in this run):")
+    for key, target, higher in TARGETS:
+        label = next(lbl for k, lbl, _, _ in ROWS if k == key)
+        r = table[key]["ours"][0] / table[key]["llama"][0]
+        met = r >= target if higher else r <= target
+        print(f"  {label:34} {r:6.2f}x  target {'>=' if higher else '<='} {target}x  {'met' if met else 'NOT met'}")
+
+
+def _model_bytes(arch: dict) -> tuple[float, float, float]:
+    """(bytes of weights read per decode step, MACs per token in the linear layers, KV bytes per position)."""
+    C, F, V, L = arch["hidden"], arch["ffn"], arch["vocab"], arch["n_layers"]
+    HD, KD = arch["n_heads"] * arch["head_dim"], arch["n_kv_heads"] * arch["head_dim"]
+    linear = L * C * (HD + 2 * KD + HD + 3 * F)  # QKV, O, gate, up, down (O and down are C x HD, C x F)
+    return linear * 20 / 32 + V * C * 34 / 32, float(linear), L * 2 * KD * 1.0 + L * 2 * arch["n_kv_heads"] * 4
+
+
+def _roofline(args, runs, bandwidth) -> dict:
+    """Measured figures against what this machine could do at best: the decode floor is bytes read per
+    token over the streaming read bandwidth; prefill is reported as achieved int8 GMAC/s."""
+    from runtime.artifact import load_manifest, open_artifact
+
+    arch = load_manifest(open_artifact(args.artifact), verify_files=False).architecture
+    wbytes, macs, kv_pos = _model_bytes(arch)
+    out = {"bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "linear_macs_per_token": macs}
+    med = {k: statistics.median(sum(([r[k]] if not isinstance(r[k], list) else r[k] for r in runs["ours"]), []))
+           for k in ("decode_tps", "ttft64_ms", "ttft256_ms")}
+    print(f"\nroofline (boardtalk, {args.threads} threads):")
+    step_bytes = wbytes + 128 * kv_pos  # weights + the KV cache at the mean decode context
+    print(f"  decode reads {step_bytes / 1e6:.1f} MB per token ({wbytes / 1e6:.1f} MB weights, "
+          f"{128 * kv_pos / 1e6:.2f} MB KV at context 128)")
+    if bandwidth:
+        floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
+        got_ms = 1e3 / med["decode_tps"]
+        out.update(decode_floor_ms=floor_ms, decode_ms=got_ms)
+        print(f"  streaming read bandwidth {bandwidth:.1f} GB/s -> decode floor {floor_ms:.2f} ms/token "
+              f"({1e3 / floor_ms:.0f} tok/s); measured {got_ms:.2f} ms ({100 * floor_ms / got_ms:.0f} % of the floor)")
+    for key, n in (("ttft64_ms", 64), ("ttft256_ms", 256)):
+        gmacs = n * macs / (med[key] / 1e3) / 1e9
+        out[f"prefill{n}_gmacs"] = gmacs
+        print(f"  prefill {n}: {n * macs / 1e9:.2f} GMAC in the linear layers -> {gmacs:.0f} GMAC/s achieved")
+    for which, key in (("decode, ms per token at context 64->192", "profile_decode_ms"),
+                       ("prefill of 64 tokens, ms", "profile_prefill64_ms")):
+        profs = [r[key] for r in runs["ours"] if key in r]
+        if profs:
+            phases = {k: statistics.median(p[k] for p in profs) for k in profs[0]}
+            out[key] = phases
+            print(f"  where the time goes, {which}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                  + f" (sum {sum(phases.values()):.2f})")
+    return out
 
 
 if __name__ == "__main__":

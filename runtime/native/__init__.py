@@ -65,6 +65,8 @@ def library() -> ctypes.CDLL:
     lib.bt_scratch_new.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.bt_scratch_free.argtypes = [ctypes.c_void_p]
     lib.bt_profile.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.bt_read_bandwidth.restype = ctypes.c_double
+    lib.bt_read_bandwidth.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     lib.bt_forward.restype = ctypes.c_int
     lib.bt_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

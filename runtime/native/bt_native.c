@@ -740,6 +740,36 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
     return 0;
 }
 
+/* Streaming read bandwidth in GB/s, best of `passes` over a fresh `bytes` buffer read by n_threads
+ * threads the way the matmuls read weights (sequential 32-byte loads): the decode floor's denominator. */
+double bt_read_bandwidth(size_t bytes, int n_threads, int passes) {
+    bytes &= ~(size_t)63;
+    uint8_t *buf = (uint8_t *)malloc(bytes);
+    if (!buf || bytes == 0) { free(buf); return 0.0; }
+    memset(buf, 1, bytes);
+#ifdef _OPENMP
+    if (n_threads > 0) omp_set_num_threads(n_threads);
+#endif
+    double best = 0.0;
+    volatile uint64_t sink = 0;
+    for (int pass = 0; pass < passes; pass++) {
+        const double t0 = NOW();
+        uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+        for (size_t i = 0; i < bytes / 64; i++) {
+            uint64_t a, b;
+            memcpy(&a, buf + 64 * i, 8);
+            memcpy(&b, buf + 64 * i + 32, 8);
+            total += a ^ b; /* one word per 32 B touches every line; the prefetcher streams the rest */
+        }
+        const double dt = NOW() - t0;
+        sink += total;
+        if (dt > 0 && bytes / dt > best) best = bytes / dt;
+    }
+    free(buf);
+    return best / 1e9;
+}
+
 const char *bt_simd(void) {
 #if defined(BT_AVX2)
     return "avx2";
