@@ -1,8 +1,10 @@
-"""Build a Hugging Face ``tokenizers`` JSON from a GGUF's BPE vocabulary and merges.
+"""A GGUF's BPE vocabulary and merges, for the artifact and for the tests.
 
-The result must split text exactly as llama.cpp does (tests/fixtures hold reference
-ids made with llama-cpp-python). Pre-tokenizers are chosen by the GGUF's
-``tokenizer.ggml.pre`` name, as llama.cpp does.
+``bpe_file_text`` writes the artifact's ``tokenizer.bpe``, which runtime/tokenizer.py reads.
+``build_tokenizer`` makes the same tokenizer with Hugging Face ``tokenizers`` (a dev
+dependency): the second reference the tests compare the runtime's ids with, next to
+llama.cpp's (tests/fixtures, made with llama-cpp-python). Pre-tokenizers are chosen by the
+GGUF's ``tokenizer.ggml.pre`` name, as llama.cpp does.
 """
 from __future__ import annotations
 

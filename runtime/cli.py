@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a registered model (or a local .gguf) into a verified INT4 artifact.")
     b.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(MODELS)}) or path to a .gguf")
     b.add_argument("--backend", default="native", choices=["native", "onnxruntime"],
-                   help="native: C kernels over the GGUF's own blocks (fastest decode, least memory); "
-                        "onnxruntime: portable INT4 ONNX graph (fastest long prefill)")
+                   help="native: C kernels over the GGUF's own blocks, regrouped 8 rows at a time (fastest, "
+                        "least memory); onnxruntime: portable INT4 ONNX graph")
     b.add_argument("--board", choices=list(boards.PROFILES), help="target board profile (default: this machine's)")
     b.add_argument("--out", help="artifact directory (default: the cache's default artifact path)")
     b.add_argument("--scheme", default="q4_1-exact", choices=list(SCHEMES), help="linear-layer quantization")
