@@ -10,13 +10,20 @@ Importing this package is cheap: onnxruntime, regex and yaml load on ``load()``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
-from .artifact import ArtifactError, Manifest
-from .kv_cache import ContextOverflow, KVCache
-from .model import CancelToken, GenerationStats, Model
-from .sampling import GenerationConfig, Sampler
+# boardtalk runs its own compute threads and never calls BLAS. NumPy's OpenBLAS pool would only
+# compete for the cores: its threads spin at start-up, during load (seen in perf on 2 cores).
+# Set before NumPy is first imported (by the modules below); a user's own setting wins.
+for _v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+from .artifact import ArtifactError, Manifest  # noqa: E402
+from .kv_cache import ContextOverflow, KVCache  # noqa: E402
+from .model import CancelToken, GenerationStats, Model  # noqa: E402
+from .sampling import GenerationConfig, Sampler  # noqa: E402
 
 __all__ = ["load", "default_artifact", "default_backend", "Model", "GenerationConfig", "GenerationStats", "CancelToken",
            "Sampler", "KVCache", "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]

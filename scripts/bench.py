@@ -180,7 +180,10 @@ def worker_llama(args) -> dict:
 def _run_worker(which: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", which, "--artifact", str(args.artifact), "--threads", str(args.threads),
            "--reps", str(args.reps), "--gguf", args.gguf, "--ids", args.ids]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    # one BLAS thread in both workers: neither runtime calls BLAS, and an idle OpenBLAS pool spinning
+    # after import would take a core from whichever runtime is loading (runtime sets the same itself)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         print(f"  {which} worker failed:\n{res.stderr[-2000:]}", file=sys.stderr)
         return None
