@@ -124,3 +124,16 @@ def test_native_index_that_does_not_match_the_architecture_is_rejected(tiny_arti
     write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.bpe"])
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1x8, \d+ bytes .* expected Q4_1x8, \d+ bytes"):
         runtime.load(d)
+
+
+def test_cli_rebuilds_a_default_artifact_of_an_older_format(tmp_path):
+    """The CLI's cached default artifact is rebuilt, not failed on, after an upgrade changes the format."""
+    from runtime.cli import _stale
+
+    d = tmp_path / "default"
+    d.mkdir()
+    assert _stale(d) is None  # missing: built, not "stale"
+    (d / "manifest.yaml").write_text("format_version: 1\n")
+    assert "format 1" in _stale(d) and f"reads {FORMAT_VERSION}" in _stale(d)
+    (d / "manifest.yaml").write_text(f"format_version: {FORMAT_VERSION}\n")
+    assert _stale(d) is None
