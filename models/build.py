@@ -62,7 +62,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     if backend == "native":
-        files, report = _native_files(src, gguf_path, tmp, progress)
+        files, report = _native_files(src, tmp, progress)
         graph_info = {"file": files[0], "index": files[1]}
     else:
         proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
@@ -119,7 +119,7 @@ def _optimize_graph(art_dir: Path, files: list[str]) -> tuple[list[str], dict]:
     return [graph, data], {"file": graph, "optimized_by": f"onnxruntime {ort.__version__}"}
 
 
-def _native_files(src, gguf_path: Path, out: Path, progress):
+def _native_files(src, out: Path, progress):
     """The native backend's weights file: every tensor the C code reads, the linear layers and the
     embedding regrouped 8 rows at a time (bytes moved, never re-rounded), 64-byte aligned, plus its index."""
     import json

@@ -137,3 +137,19 @@ def test_cli_rebuilds_a_default_artifact_of_an_older_format(tmp_path):
     assert "format 1" in _stale(d) and f"reads {FORMAT_VERSION}" in _stale(d)
     (d / "manifest.yaml").write_text(f"format_version: {FORMAT_VERSION}\n")
     assert _stale(d) is None
+
+
+def test_native_index_of_an_older_format_asks_for_a_rebuild(tiny_artifacts, tmp_path):
+    import json
+
+    from runtime.artifact import load_manifest, write_manifest
+
+    d = tmp_path / "old"
+    shutil.copytree(tiny_artifacts["native"], d)
+    idx = json.loads((d / "native.json").read_text())
+    (d / "native.json").write_text(json.dumps({"tensors": idx["tensors"]}))  # format 1 had no "format"
+    m = load_manifest(d, verify_files=False).to_dict()
+    m.pop("files"), m.pop("format_version")
+    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.bpe"])
+    with pytest.raises(ValueError, match=r"native\.json: format 1 .* rebuild the artifact"):
+        runtime.load(d)

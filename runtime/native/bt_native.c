@@ -13,7 +13,8 @@
  *             layer's positions are contiguous, so attention streams them; token-major also works),
  *             K heads first, scale = max(absmax/127, 1e-30), q = round-half-even(x/scale)
  *   rope cos/sin: (max_pos, D/2) float32, adjacent pairs (x[2i], x[2i+1]) rotated
- * Threads: OpenMP over output rows and over (token, head) pairs.
+ * Threads: OpenMP over 8-row groups of each matrix; attention over (token, KV head) pairs in prefill
+ * and over (KV head, 32-position chunk) in decode.
  */
 #include <math.h>
 #include <stdint.h>
@@ -122,6 +123,27 @@ static void quantize_q8(const float *x, block_q8 *y, int K) {
         s4 = _mm_hadd_epi32(s4, s4);
         y[b].d = d;
         y[b].s = d * (float)_mm_cvtsi128_si32(s4);
+    }
+    return;
+#elif defined(BT_NEON)
+    for (int b = 0; b < K / QK; b++) { /* same arithmetic as the scalar loop (vcvtnq rounds half to even) */
+        const float *xb = x + b * QK;
+        float32x4_t v[8], mx = vdupq_n_f32(0.f);
+        for (int j = 0; j < 8; j++) {
+            v[j] = vld1q_f32(xb + 4 * j);
+            mx = vmaxq_f32(mx, vabsq_f32(v[j]));
+        }
+        const float amax = vmaxvq_f32(mx);
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32x4_t sum = vdupq_n_s32(0);
+        for (int j = 0; j < 8; j += 2) {
+            const int32x4_t q0 = vcvtnq_s32_f32(vmulq_n_f32(v[j], id)), q1 = vcvtnq_s32_f32(vmulq_n_f32(v[j + 1], id));
+            sum = vaddq_s32(sum, vaddq_s32(q0, q1));
+            const int16x8_t q16 = vcombine_s16(vmovn_s32(q0), vmovn_s32(q1));
+            vst1_s8(y[b].qs + 4 * j, vmovn_s16(q16));
+        }
+        y[b].d = d;
+        y[b].s = d * (float)vaddvq_s32(sum);
     }
     return;
 #endif
@@ -466,6 +488,27 @@ static inline __m256 hsum8x8(const __m256 *v) {
 static inline __m256 i8x8_to_f32(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+#elif defined(BT_NEON)
+/* the same e^x as exp8, 4 lanes */
+static inline float32x4_t exp4(float32x4_t x) {
+    x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.3f)), vdupq_n_f32(88.7f));
+    const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, 1.44269504f));
+    float32x4_t r = vfmsq_n_f32(x, n, 0.693145752f);
+    r = vfmsq_n_f32(r, n, 1.42860677e-6f);
+    float32x4_t p = vdupq_n_f32(1.f / 720.f);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 120.f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 24.f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 6.f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.f), p, r);
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+static inline float32x4_t i8x4_to_f32(const int8_t *p) {
+    int8x8_t b = vreinterpret_s8_u32(vld1_dup_u32((const uint32_t *)(const void *)p)); /* 4 bytes, twice */
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
 #endif
 
 /* x[i] <- e^(x[i] - mx); returns the sum */
@@ -482,6 +525,14 @@ static float exp_shift_sum(float *x, int n, float mx) {
     float t[8];
     _mm256_storeu_ps(t, s8);
     for (int j = 0; j < 8; j++) sum += t[j];
+#elif defined(BT_NEON)
+    float32x4_t s4 = vdupq_n_f32(0.f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t e = exp4(vsubq_f32(vld1q_f32(x + i), vdupq_n_f32(mx)));
+        vst1q_f32(x + i, e);
+        s4 = vaddq_f32(s4, e);
+    }
+    sum = vaddvq_f32(s4);
 #endif
     for (; i < n; i++) { x[i] = expf(x[i] - mx); sum += x[i]; }
     return sum;
@@ -496,6 +547,12 @@ static void swiglu(float *a, const float *g, const float *u, int n) {
         const __m256 gv = _mm256_loadu_ps(g + i);
         const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
         _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+#elif defined(BT_NEON)
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t gv = vld1q_f32(g + i);
+        const float32x4_t den = vaddq_f32(vdupq_n_f32(1.f), exp4(vnegq_f32(gv)));
+        vst1q_f32(a + i, vmulq_f32(vdivq_f32(gv, den), vld1q_f32(u + i)));
     }
 #endif
     for (; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
@@ -532,6 +589,19 @@ BT_INLINE void attn_chunk_g(const float *q, int D, float q_scale, const int8_t *
                     for (int j = 0; j <= p % 8; j++) sc[g][b + j] = t8[j];
                 }
             }
+        }
+    } else
+#elif defined(BT_NEON)
+    if (D % 16 == 0) {
+        for (int p = 0; p < n; p++) { /* each K row is widened once for all G heads */
+            const int8_t *kp = k + (size_t)(p0 + p) * pst * D;
+            float32x4_t a[GMAX];
+            for (int g = 0; g < G; g++) a[g] = vdupq_n_f32(0.f);
+            for (int i = 0; i < D; i += 4) {
+                const float32x4_t kf = i8x4_to_f32(kp + i);
+                for (int g = 0; g < G; g++) a[g] = vfmaq_f32(a[g], vld1q_f32(q + g * D + i), kf);
+            }
+            for (int g = 0; g < G; g++) sc[g][p] = vaddvq_f32(a[g]);
         }
     } else
 #endif
@@ -574,6 +644,28 @@ BT_INLINE void attn_chunk_g(const float *q, int D, float q_scale, const int8_t *
         }
         return;
     }
+#elif defined(BT_NEON)
+    if (D % 16 == 0) {
+        for (int i = 0; i < D; i += 8) { /* each V slice is widened once for all G heads; 2G chains in flight */
+            float32x4_t acc[GMAX][2];
+            for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vdupq_n_f32(0.f);
+            for (int p = 0; p < n; p++) {
+                const int8x8_t v8 = vld1_s8(v + (size_t)(p0 + p) * pst * D + i);
+                const int16x8_t v16 = vmovl_s8(v8);
+                const float32x4_t v0 = vcvtq_f32_s32(vmovl_s16(vget_low_s16(v16)));
+                const float32x4_t v1 = vcvtq_f32_s32(vmovl_s16(vget_high_s16(v16)));
+                for (int g = 0; g < G; g++) {
+                    acc[g][0] = vfmaq_n_f32(acc[g][0], v0, sc[g][p]);
+                    acc[g][1] = vfmaq_n_f32(acc[g][1], v1, sc[g][p]);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                vst1q_f32(part + (size_t)g * (D + 2) + i, acc[g][0]);
+                vst1q_f32(part + (size_t)g * (D + 2) + i + 4, acc[g][1]);
+            }
+        }
+        return;
+    }
 #endif
     for (int g = 0; g < G; g++) {
         float *o = part + (size_t)g * (D + 2);
@@ -587,10 +679,6 @@ BT_INLINE void attn_chunk_g(const float *q, int D, float q_scale, const int8_t *
 
 static void attn_chunk(const float *q, int G, int D, float q_scale, const int8_t *k, const float *ks, const int8_t *v,
                        const float *vs, size_t pst, int p0, int p1, float *part) {
-    for (int p = p0; p < p1; p++) { /* the rows are pst rows apart, likely out of cache: ask for all at once */
-        __builtin_prefetch(k + (size_t)p * pst * D);
-        __builtin_prefetch(v + (size_t)p * pst * D);
-    }
 #define CASE(g) case g: attn_chunk_g(q, D, q_scale, k, ks, v, vs, pst, p0, p1, part, g); break
     switch (G) {
         CASE(1); CASE(2); CASE(3); CASE(4); CASE(5); CASE(6); CASE(7); CASE(8);
