@@ -373,65 +373,32 @@ static void group_matmul(const uint8_t *w, int nb, const block_q8 *x, int T, flo
     }
 }
 
-/* Thread t's share [lo, hi) of n items, the same split wherever it is used. */
-static inline void share(int n, int t, int nth, int *lo, int *hi) {
-    const int q = n / nth, r = n % nth;
-    *lo = t * q + (t < r ? t : r);
-    *hi = *lo + q + (t < r);
-}
-
-/* Decode attention of one layer: which K/V rows each thread will read (see bt_forward). Prefetched
- * into its L2 while the QKV matmul streams: the rows are 2*KVH*D bytes apart and long out of cache
- * (a decode step reads ~100 MB of weights in between), and fetched one chunk at a time their
- * latency cost about half of the attention time. */
-typedef struct { const int8_t *k; size_t pst; int n, nch, kvh, D; } kv_rows;
-
-static void prefetch_share(const kv_rows *r, int t, int nth) {
-    int lo, hi;
-    share(r->kvh * r->nch, t, nth, &lo, &hi);
-    for (int it = lo; it < hi; it++) {
-        const int h = it / r->nch, p0 = it % r->nch * ACH, p1 = p0 + ACH < r->n ? p0 + ACH : r->n;
-        for (int p = p0; p < p1; p++) {
-            const int8_t *row = r->k + ((size_t)p * r->pst + h) * r->D;
-            __builtin_prefetch(row, 0, 2);
-            __builtin_prefetch(row + (size_t)r->kvh * r->D, 0, 2); /* its V row */
-        }
-    }
-}
-
 /* y[t][n] = W[n] . x[t] for n < N, t < T, where the rows of W are those of up to three matrices
  * stacked (fused QKV, gate|up: one parallel region instead of three). N0 and N1 are multiples
- * of 8; the last matrix may end in a padded group, whose extra rows are computed and dropped.
- * pf (or NULL): K/V rows each thread prefetches first. */
+ * of 8; the last matrix may end in a padded group, whose extra rows are computed and dropped. */
 static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2, int N2,
-                    const block_q8 *xq, int nb, int T, int q8, const kv_rows *pf) {
+                    const block_q8 *xq, int nb, int T, int q8) {
     const size_t gbytes = (size_t)nb * (q8 ? Q8X8 : Q4X8);
     const int N = N0 + N1 + N2, G0 = N0 / 8, G1 = N1 / 8, G = (N + 7) / 8;
-#pragma omp parallel
-    {
-#ifdef _OPENMP
-        if (pf) prefetch_share(pf, omp_get_thread_num(), omp_get_num_threads());
-#endif
-#pragma omp for schedule(static)
-        for (int g = 0; g < G; g++) {
-            const int n = 8 * g;
-            const uint8_t *wg = n < N0 ? W0 + g * gbytes : n < N0 + N1 ? W1 + (g - G0) * gbytes : W2 + (g - G0 - G1) * gbytes;
-            if (n + 8 <= N) {
-                group_matmul(wg, nb, xq, T, y + n, ldy, q8);
-            } else { /* padded last group: compute into a buffer, keep the real rows */
-                float tmp[8 * 4];
-                for (int t = 0; t < T; t += 4) {
-                    const int nt = T - t < 4 ? T - t : 4;
-                    group_matmul(wg, nb, xq + (size_t)t * nb, nt, tmp, 8, q8);
-                    for (int j = 0; j < nt; j++) memcpy(y + (size_t)(t + j) * ldy + n, tmp + 8 * j, sizeof(float) * (N - n));
-                }
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < G; g++) {
+        const int n = 8 * g;
+        const uint8_t *wg = n < N0 ? W0 + g * gbytes : n < N0 + N1 ? W1 + (g - G0) * gbytes : W2 + (g - G0 - G1) * gbytes;
+        if (n + 8 <= N) {
+            group_matmul(wg, nb, xq, T, y + n, ldy, q8);
+        } else { /* padded last group: compute into a buffer, keep the real rows */
+            float tmp[8 * 4];
+            for (int t = 0; t < T; t += 4) {
+                const int nt = T - t < 4 ? T - t : 4;
+                group_matmul(wg, nb, xq + (size_t)t * nb, nt, tmp, 8, q8);
+                for (int j = 0; j < nt; j++) memcpy(y + (size_t)(t + j) * ldy + n, tmp + 8 * j, sizeof(float) * (N - n));
             }
         }
     }
 }
 
 static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8) {
-    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8, NULL);
+    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8);
 }
 
 static void rmsnorm(float *o, const float *x, const float *w, int n, float eps) {
@@ -775,9 +742,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
         TICK(P_OTHER);
-        const kv_rows rows = {kv + LBASE(l) * D, pstride, start + 1, (start + ACH) / ACH, KVH, D}; /* decode's attention items */
-        matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0,
-                T == 1 && start > 0 ? &rows : NULL);
+        matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
         TICK(P_QKV);
 #pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) { /* RoPE, then K/V into the int8 cache */
@@ -799,18 +764,11 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         const size_t PG = (size_t)G * (D + 2);
         if (T == 1) { /* decode: chunks of all KV heads spread over the threads */
             const int n = start + 1, nch = (n + ACH - 1) / ACH;
-#pragma omp parallel
-            { /* each thread takes the share its QKV matmul prefetched (the newest position is in cache) */
-                int lo = 0, hi = KVH * nch;
-#ifdef _OPENMP
-                share(KVH * nch, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-#endif
-                for (int it = lo; it < hi; it++) {
-                    const int kvh = it / nch, ch = it % nch, p0 = ch * ACH, p1 = p0 + ACH < n ? p0 + ACH : n;
-                    attn_chunk(s->qkv + kvh * G * D, G, D, c->q_scale, kl + (size_t)kvh * D, sl + kvh,
-                               kl + (size_t)(KVH + kvh) * D, sl + KVH + kvh, pstride, p0, p1,
-                               s->parts + ((size_t)kvh * nch + ch) * PG);
-                }
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int it = 0; it < KVH * nch; it++) {
+                const int kvh = it / nch, ch = it % nch, p0 = ch * ACH, p1 = p0 + ACH < n ? p0 + ACH : n;
+                attn_chunk(s->qkv + kvh * G * D, G, D, c->q_scale, kl + (size_t)kvh * D, sl + kvh, kl + (size_t)(KVH + kvh) * D,
+                           sl + KVH + kvh, pstride, p0, p1, s->parts + ((size_t)kvh * nch + ch) * PG);
             }
             for (int kvh = 0; kvh < KVH; kvh++) attn_merge(s->parts + (size_t)kvh * nch * PG, nch, G, D, s->att + kvh * G * D);
         } else {
@@ -843,7 +801,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
         TICK(P_OTHER);
-        matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0, NULL);
+        matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0);
         TICK(P_GATE_UP);
 #pragma omp parallel for if (T > 1)
         for (int t = 0; t < T; t++) {
