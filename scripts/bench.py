@@ -12,7 +12,9 @@ with a note when it is not installed.
 Figures: load time (warm page cache), TTFT of 64- and 256-token cold prompts, TTFT of a
 voice-style turn (system prompt already cached, ~16 new tokens), decode tokens/s over 128
 tokens (context 64 -> 192), peak RSS, KV bytes per position, perplexity of the first 512
-tokens of the Apache-2.0 license text.
+tokens of the Apache-2.0 license text. Then each figure against its target (issue #3), and a
+roofline: this machine's streaming read bandwidth (measured in the same run), the decode
+floor it sets, prefill GMAC/s, and the per-phase profile of the native backend.
 """
 from __future__ import annotations
 
