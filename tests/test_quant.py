@@ -123,3 +123,25 @@ def test_float_source_builds_with_rtn_int4(tmp_path, board_name):
     want = ref.forward(ids)
     assert np.abs(got - want).max() < 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("typ,block,N", [("Q4_1x8", 20, 64), ("Q4_1x8", 20, 61), ("Q8_0x8", 34, 64), ("Q8_0x8", 34, 3)])
+def test_native_row_groups_only_move_bytes(typ, block, N):
+    """The native layout (8 rows per group, padded with zero rows) is a permutation of the GGUF bytes:
+    regrouping and ungrouping gives the rows back, and every input byte appears in the groups."""
+    rng = np.random.default_rng(N)
+    raw = rng.integers(0, 256, (N, 18 * block), dtype=np.uint8)
+    groups = (quant.interleave_q4_1 if typ == "Q4_1x8" else quant.interleave_q8_0)(raw, 576)
+    assert groups.shape == (-(-N // 8), 18, quant.X8_BYTES[typ])
+    assert np.array_equal(quant.deinterleave(groups, typ, N), raw)
+    assert np.array_equal(np.sort(groups.reshape(-1))[-raw.size:], np.sort(raw.reshape(-1)))  # the rest is padding
+
+
+def test_native_row_groups_layout_matches_the_c_kernels():
+    """Spot-check the documented layout: byte 4r+i of chunk k of a Q4_1x8 block is GGUF byte 4k+i of row r."""
+    raw = np.zeros((8, 20), np.uint8)
+    raw[5, 4 + 4 * 2 + 1] = 0xAB  # row 5, packed byte 9 = chunk 2, i = 1
+    raw[3, 0:2] = [1, 2]          # row 3's d
+    raw[6, 2:4] = [3, 4]          # row 6's m
+    g = quant.interleave_q4_1(raw, 32)[0, 0]
+    assert g[32 + 32 * 2 + 4 * 5 + 1] == 0xAB and list(g[6:8]) == [1, 2] and list(g[16 + 12:16 + 14]) == [3, 4]
