@@ -13,16 +13,23 @@ from .arch import TokenizerData
 CONTROL, USER_DEFINED = 3, 4
 
 
+def _pre_name(pre: str) -> str:
+    """The GGUF's ``tokenizer.ggml.pre`` as one of the two pre-tokenizers boardtalk implements."""
+    from runtime.tokenizer import PRE_TOKENIZERS
+
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"pre-tokenizer {pre!r} is not supported yet (known: {', '.join(PRE_TOKENIZERS)})")
+    return PRE_TOKENIZERS[pre]
+
+
 def _pre_tokenizer(pre: str):
     from tokenizers import pre_tokenizers as pt
 
     bytelevel = pt.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+    if _pre_name(pre) == "smollm":
         # llama.cpp: "\p{N}" (every digit alone), then the GPT-2 regex.
         return pt.Sequence([pt.Digits(individual_digits=True), bytelevel])
-    if pre in ("default", "gpt-2", "gpt2"):
-        return bytelevel
-    raise ValueError(f"pre-tokenizer {pre!r} is not supported yet (known: smollm, gpt2)")
+    return bytelevel
 
 
 def build_tokenizer(tok: TokenizerData):
@@ -52,10 +59,6 @@ def stop_ids(tok: TokenizerData) -> list[int]:
     return sorted(ids)
 
 
-BPE_MAGIC = "boardtalk-bpe 1"
-PRE_TOKENIZERS = ("smollm", "gpt2")  # what runtime/tokenizer.py implements (llama.cpp's names)
-
-
 def bpe_file_text(tok: TokenizerData) -> str:
     """The artifact's tokenizer: the GGUF's vocabulary and merges as lines, read by runtime/tokenizer.py
     with a split() (about 20x faster to load than the same data as tokenizers JSON).
@@ -67,10 +70,9 @@ def bpe_file_text(tok: TokenizerData) -> str:
         tokens <n>            then n lines: the byte-level pieces, in id order
         merges <m>            then m lines "left right", in rank order
     """
-    pre = {"default": "gpt2", "gpt-2": "gpt2", "starcoder": "smollm", "refact": "smollm",
-           "codeshell": "smollm"}.get(tok.pre, tok.pre)
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"pre-tokenizer {tok.pre!r} is not supported yet (known: smollm, gpt2)")
+    from runtime.tokenizer import BPE_MAGIC
+
+    pre = _pre_name(tok.pre)
     for s in tok.tokens:
         if "\n" in s:
             raise ValueError(f"token {s!r} contains a newline; the BPE file cannot hold it")

@@ -27,6 +27,10 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+BPE_MAGIC = "boardtalk-bpe 1"  # first line of tokenizer.bpe (written by models/tokenizer.py bpe_file_text)
+# llama.cpp's pre-tokenizer names -> the two this module implements
+PRE_TOKENIZERS = {"smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
+                  "gpt2": "gpt2", "gpt-2": "gpt2", "default": "gpt2"}
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -47,8 +51,8 @@ class Tokenizer:
             raise ImportError("the runtime needs 'regex' (pip install regex)") from e
         lines = bpe_text.split("\n")
         try:
-            if lines[0] != "boardtalk-bpe 1":
-                raise ValueError(f"first line {lines[0][:40]!r} is not 'boardtalk-bpe 1'")
+            if lines[0] != BPE_MAGIC:
+                raise ValueError(f"first line {lines[0][:40]!r} is not {BPE_MAGIC!r}")
             kw, pre = lines[1].split(" ")
             control = [int(i) for i in lines[2].split(" ")[1:]]
             user = [int(i) for i in lines[3].split(" ")[1:]]

@@ -320,12 +320,14 @@ def _targets(table) -> None:
         print(f"  {label:34} {r:6.2f}x  target {'>=' if higher else '<='} {target}x  {'met' if met else 'NOT met'}")
 
 
-def _model_bytes(arch: dict) -> tuple[float, float, float]:
-    """(bytes of weights read per decode step, MACs per token in the linear layers, KV bytes per position)."""
-    C, F, V, L = arch["hidden"], arch["ffn"], arch["vocab"], arch["n_layers"]
-    HD, KD = arch["n_heads"] * arch["head_dim"], arch["n_kv_heads"] * arch["head_dim"]
-    linear = L * C * (HD + 2 * KD + HD + 3 * F)  # QKV, O, gate, up, down (O and down are C x HD, C x F)
-    return linear * 20 / 32 + V * C * 34 / 32, float(linear), L * 2 * KD * 1.0 + L * 2 * arch["n_kv_heads"] * 4
+def _model_bytes(arch: dict) -> tuple[float, float]:
+    """(bytes of weights a decode step reads, MACs per token in the linear layers), from the tensor list
+    the native backend reads (runtime/backends/native.py)."""
+    from runtime.backends.native import tensor_bytes, tensor_spec
+
+    spec = tensor_spec(arch).values()
+    return (float(sum(tensor_bytes(*t) for t in spec)),
+            float(sum(rows * cols for typ, rows, cols in spec if typ == "Q4_1x8")))
 
 
 def _roofline(args, runs, bandwidth) -> dict:
@@ -334,7 +336,8 @@ def _roofline(args, runs, bandwidth) -> dict:
     from runtime.artifact import load_manifest, open_artifact
 
     arch = load_manifest(open_artifact(args.artifact), verify_files=False).architecture
-    wbytes, macs, kv_pos = _model_bytes(arch)
+    wbytes, macs = _model_bytes(arch)
+    kv_pos = runs["ours"][0]["kv_bytes_per_pos"]
     out = {"bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "linear_macs_per_token": macs}
     med = {k: statistics.median(sum(([r[k]] if not isinstance(r[k], list) else r[k] for r in runs["ours"]), []))
            for k in ("decode_tps", "ttft64_ms", "ttft256_ms")}
