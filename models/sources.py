@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.artifact import cache_dir  # noqa: F401  (the runtime owns the cache layout)
+
 log = logging.getLogger(__name__)
 
 
@@ -43,15 +45,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 class SourceError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    """Where boardtalk keeps model files and default artifacts ($BOARDTALK_CACHE or XDG cache)."""
-    env = os.environ.get("BOARDTALK_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "boardtalk"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

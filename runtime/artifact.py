@@ -25,6 +25,15 @@ MANIFEST = "manifest.yaml"
 BACKENDS = ("onnxruntime", "native", "tvm")
 
 
+def cache_dir() -> Path:
+    """Where boardtalk keeps model files, compiled kernels and default artifacts ($BOARDTALK_CACHE or XDG cache)."""
+    env = os.environ.get("BOARDTALK_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "boardtalk"
+
+
 class ArtifactError(ValueError):
     """The artifact is missing, corrupt, tampered with, or not for this board."""
 
