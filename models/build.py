@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
+
+from runtime import store
 
 from . import quant
 from .arch import read_gguf
@@ -29,11 +30,14 @@ KV_CACHE = {
 def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend: str = "onnxruntime",
                    scheme: str = "q4_1-exact", embedding: str = "q8_0", accuracy_level: int = 4,
                    max_context: int | None = None, optimize: bool | None = None,
-                   progress: Callable[[int, int, str], None] | None = None):
+                   progress: Callable[[int, int, str], None] | None = None, sign_key: str | Path | None = None):
     """Build into out_dir (replaced atomically); returns (Manifest, models.export_onnx.ExportReport).
 
     optimize: also run ONNX Runtime's graph optimizer now and ship its result, so the board loads
     faster (about 0.3 s less for SmolLM2); None = only when building for the board this runs on.
+    sign_key: an Ed25519 private key (runtime.signing) to sign the manifest with.
+    out_dir must be new, empty or an artifact (runtime.store.prepare_output); builds of one out_dir
+    serialize, and the finished artifact is switched in atomically (docs/artifact-store.md).
     """
     import boards
     from runtime.artifact import write_manifest
@@ -48,6 +52,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(quant.SCHEMES)}")
     if backend == "native" and (scheme != "q4_1-exact" or embedding != "q8_0"):
         raise ValueError("the native backend runs GGUF Q4_1 weights as stored (--scheme q4_1-exact --embedding q8_0)")
+    out_dir = store.prepare_output(out_dir)  # refuse a bad out_dir before any download
     t0 = time.monotonic()
     gguf_path = resolve_gguf(model)
     src = read_gguf(gguf_path)
@@ -56,46 +61,44 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     ctx = min(max_context or profile.max_context, cfg.context_length)
     log.info("building %s for %s: %d layers, hidden %d, scheme %s, context %d", src.name, board, cfg.n_layers,
              cfg.hidden, scheme, ctx)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".building")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if backend == "native":
-        files, report = _native_files(src, tmp, progress)
-        graph_info = {"file": files[0], "index": files[1]}
-    else:
-        proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
-                                                       max_context=ctx), progress=progress)
-        files = save(proto, tmp)
-        del proto
-        graph_info = {"file": files[0]}
-        if optimize is None:
-            optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
-        if optimize:
-            files, graph_info = _optimize_graph(tmp, files)
-    (tmp / "tokenizer.bpe").write_text(bpe_text, encoding="utf-8")
-    files.append("tokenizer.bpe")
-    s = quant.SCHEMES[scheme]
-    fields = {
-        "tool_version": TOOL_VERSION,
-        "model": {"name": src.name, "architecture": cfg.to_dict(),
-                  "source": {"file": gguf_path.name, "sha256": sha256_file(gguf_path), "registry_name": model}},
-        "tokenizer": {"file": "tokenizer.bpe", "bos_id": src.tokenizer.bos_id, "eos_id": src.tokenizer.eos_id,
-                      "stop_ids": stop_ids(src.tokenizer)},
-        "chat_template": src.tokenizer.chat_template,
-        "quantization": {"scheme": scheme, "bits": s.bits, "group_size": s.block_size, "symmetric": s.symmetric,
-                         "embedding": embedding, "accuracy_level": accuracy_level},
-        "kv_cache": dict(KV_CACHE),
-        "backend": backend,
-        "graph": graph_info,
-        "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
-        "max_context": ctx,
-    }
-    manifest = write_manifest(tmp, fields, files)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with store.build_lock(out_dir), store.staging_dir(out_dir) as tmp:
+        if backend == "native":
+            files, report = _native_files(src, tmp, progress)
+            graph_info = {"file": files[0], "index": files[1]}
+        else:
+            proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
+                                                           max_context=ctx), progress=progress)
+            files = save(proto, tmp)
+            del proto
+            graph_info = {"file": files[0]}
+            if optimize is None:
+                optimize = board == boards.detect().name  # ORT's optimized graph may be specific to this CPU
+            if optimize:
+                files, graph_info = _optimize_graph(tmp, files)
+        (tmp / "tokenizer.bpe").write_text(bpe_text, encoding="utf-8")
+        files.append("tokenizer.bpe")
+        s = quant.SCHEMES[scheme]
+        fields = {
+            "tool_version": TOOL_VERSION,
+            "model": {"name": src.name, "architecture": cfg.to_dict(),
+                      "source": {"file": gguf_path.name, "sha256": sha256_file(gguf_path), "registry_name": model}},
+            "tokenizer": {"file": "tokenizer.bpe", "bos_id": src.tokenizer.bos_id, "eos_id": src.tokenizer.eos_id,
+                          "stop_ids": stop_ids(src.tokenizer)},
+            "chat_template": src.tokenizer.chat_template,
+            "quantization": {"scheme": scheme, "bits": s.bits, "group_size": s.block_size, "symmetric": s.symmetric,
+                             "embedding": embedding, "accuracy_level": accuracy_level},
+            "kv_cache": dict(KV_CACHE),
+            "backend": backend,
+            "graph": graph_info,
+            "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
+            "max_context": ctx,
+        }
+        manifest = write_manifest(tmp, fields, files)
+        if sign_key is not None:
+            from runtime.signing import sign_manifest
+
+            sign_manifest(tmp, sign_key)
+        store.install(tmp, out_dir)
     log.info("artifact %s ready in %.1f s (%.1f MiB)", out_dir, time.monotonic() - t0,
              sum(f["size"] for f in manifest.files.values()) / 2**20)
     return manifest, report
