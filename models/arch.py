@@ -7,54 +7,19 @@ registry entry.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from runtime.config import ModelConfig, rope_tables  # noqa: F401  (re-exported for the builders)
+
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    rope_base: float
-    norm_eps: float
-    tie_embeddings: bool
-    context_length: int  # what the model was trained for; the artifact may use less
-    architecture: str = "llama"
-
-    def __post_init__(self) -> None:
-        if self.n_heads * self.head_dim != self.hidden:
-            raise ValueError(f"n_heads*head_dim={self.n_heads * self.head_dim} != hidden={self.hidden}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even for RoPE")
-
-    @property
-    def group(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            log.debug("ignoring unknown config keys: %s", sorted(unknown))
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
+# The config lives on the board side (runtime/config.py), which validates it; the builder fills it from a GGUF.
+LlamaConfig = ModelConfig
 ARCHITECTURES = {"llama": LlamaConfig}
 
 
@@ -150,11 +115,3 @@ def read_gguf(path: str | Path) -> GGUFModel:
 def layer_tensor(layer: int, what: str) -> str:
     """GGUF tensor name of one per-layer weight: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down, attn_norm, ffn_norm."""
     return f"blk.{layer}.{what}.weight"
-
-
-def rope_tables(cfg: LlamaConfig, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (n_pos, head_dim/2) float32 for adjacent-pair ("normal", GGUF llama) rotary embedding."""
-    half = cfg.head_dim // 2
-    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
-    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)

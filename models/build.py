@@ -13,18 +13,25 @@ from runtime import store
 
 from . import quant
 from .arch import read_gguf
+from .native_build import build_library
 from .sources import resolve_gguf, sha256_file
 
 log = logging.getLogger(__name__)
 
 TOOL_VERSION = "boardtalk 0.1.0"
 BACKENDS = ("onnxruntime", "native")
-KV_CACHE = {
-    "scheme": "int8-absmax-per-token-head",
-    "dtype": "int8",
-    "scale_dtype": "float32",
-    "layout": "(position, layer, 2*kv_heads, head_dim); K heads then V heads",
-}
+KV_LAYOUT_SHAPES = {"token-major": "(position, layer, 2*kv_heads, head_dim)",
+                    "layer-major": "(layer, position, 2*kv_heads, head_dim)"}
+
+
+def kv_cache_fields(backend: str) -> dict:
+    """What the manifest says of the KV cache: the scheme, and the layout the backend really uses."""
+    from runtime.artifact import KV_SCHEME
+    from runtime.backends import BACKENDS
+
+    layout = BACKENDS[backend].kv_layout
+    return {"scheme": KV_SCHEME, "dtype": "int8", "scale_dtype": "float32", "layout": layout,
+            "shape": KV_LAYOUT_SHAPES[layout] + "; K heads then V heads; one scale per (position, layer, head)"}
 
 
 def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend: str = "onnxruntime",
@@ -62,9 +69,12 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     log.info("building %s for %s: %d layers, hidden %d, scheme %s, context %d", src.name, board, cfg.n_layers,
              cfg.hidden, scheme, ctx)
     with store.build_lock(out_dir), store.staging_dir(out_dir) as tmp:
+        kernels = None
         if backend == "native":
             files, report = _native_files(src, tmp, progress)
             graph_info = {"file": files[0], "index": files[1]}
+            kernels = build_library(board, tmp)
+            files.append(kernels["file"])
         else:
             proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
                                                            max_context=ctx), progress=progress)
@@ -86,10 +96,12 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
                           "stop_ids": stop_ids(src.tokenizer)},
             "chat_template": src.tokenizer.chat_template,
             "quantization": {"scheme": scheme, "bits": s.bits, "group_size": s.block_size, "symmetric": s.symmetric,
-                             "embedding": embedding, "accuracy_level": accuracy_level},
-            "kv_cache": dict(KV_CACHE),
+                             "embedding": embedding,
+                             **({"accuracy_level": accuracy_level} if backend == "onnxruntime" else {})},
+            "kv_cache": kv_cache_fields(backend),
             "backend": backend,
             "graph": graph_info,
+            **({"kernels": {k: kernels[k] for k in ("file", "cpu_features", "cflags", "simd")}} if kernels else {}),
             "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
             "max_context": ctx,
         }
@@ -129,13 +141,13 @@ def _native_files(src, out: Path, progress):
 
     import numpy as np
 
-    from runtime.backends.native import INDEX_FORMAT, SOURCE_TYPE, WEIGHTS_FILE, tensor_spec
+    from runtime.backends.native import ALIGN, INDEX_FILE, INDEX_FORMAT, SOURCE_TYPE, WEIGHTS_FILE, tensor_spec
 
     from .export_onnx import ExportReport
 
     if not src.config.tie_embeddings:
         raise NotImplementedError("untied output layers are not supported by the native backend yet")
-    spec = tensor_spec(src.config.to_dict())
+    spec = tensor_spec(src.config)
     for name, (typ, _, _) in spec.items():
         t = src.tensors.get(name)
         if t is None or t.tensor_type.name != SOURCE_TYPE[typ]:
@@ -150,7 +162,7 @@ def _native_files(src, out: Path, progress):
                 raw = quant.interleave_q4_1(raw, cols)
             elif typ == "Q8_0x8":
                 raw = quant.interleave_q8_0(raw, cols)
-            pad = -off % 64
+            pad = -off % ALIGN
             f.write(b"\0" * pad)
             off += pad
             f.write(np.ascontiguousarray(raw).tobytes())
@@ -158,8 +170,7 @@ def _native_files(src, out: Path, progress):
             off += int(raw.nbytes)
             if progress and (i % 16 == 0 or i == len(spec) - 1):
                 progress(i + 1, len(spec), "regroup weights")
-    (out / "native.json").write_text(json.dumps({"format": INDEX_FORMAT, "file": WEIGHTS_FILE, "tensors": index},
-                                                indent=0), encoding="utf-8")
-    report = ExportReport(weight_bytes=off, n_nodes=0)
-    report.errors["lm_head"] = quant.QuantError(0.0, 0.0)
-    return [WEIGHTS_FILE, "native.json"], report
+    (out / INDEX_FILE).write_text(json.dumps({"format": INDEX_FORMAT, "file": WEIGHTS_FILE,
+                                              "architecture": src.config.to_dict(), "tensors": index}, indent=0),
+                                  encoding="utf-8")
+    return [WEIGHTS_FILE, INDEX_FILE], ExportReport(weight_bytes=off, n_nodes=0, exact=True)

@@ -24,12 +24,14 @@ writes present_kv into cache[P:P+T] in place.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from runtime.backends.onnxruntime import ARCH_METADATA
 from runtime.kv_cache import KV_SCALE_FLOOR
 
 from . import quant
@@ -55,6 +57,14 @@ class ExportReport:
     errors: dict = field(default_factory=dict)  # tensor -> quant.QuantError
     weight_bytes: int = 0
     n_nodes: int = 0
+    exact: bool = False  # True: weights copied as stored (native), nothing re-rounded, no graph
+
+    def summary(self) -> str:
+        if self.exact:
+            return f"{self.weight_bytes / 2**20:.1f} MiB of weights copied as stored (no re-rounding, no graph)"
+        lm = self.errors.get("lm_head")
+        return (f"{self.n_nodes} graph nodes; worst weight error {self.worst_max_abs:.3g} ({self.worst_tensor or '-'})"
+                + (f", lm_head error {lm.max_abs:.3g}" if lm else ""))
 
 
 class _Graph:
@@ -258,6 +268,9 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
     m = g.h.make_model(graph, opset_imports=[g.h.make_opsetid("", OPSET), g.h.make_opsetid("com.microsoft", 1)],
                        producer_name="boardtalk")
     m.ir_version = 10
+    # The architecture the graph was built for, inside the hashed graph: the loader requires the
+    # manifest's to equal it, so an edited manifest cannot describe a different model than it runs.
+    g.h.set_model_props(m, {ARCH_METADATA: json.dumps(cfg.to_dict(), sort_keys=True)})
     report.n_nodes = len(g.nodes)
     if progress:
         progress(L, L, "graph built")

@@ -21,13 +21,19 @@ for _v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 from .artifact import ArtifactError, Manifest  # noqa: E402
+from .backends import BACKENDS, DEFAULT_BACKEND, default_backend  # noqa: E402
+from .config import ConfigError, ModelConfig  # noqa: E402
 from .kv_cache import ContextOverflow, KVCache  # noqa: E402
-from .model import CancelToken, GenerationStats, Model  # noqa: E402
+from .model import Model  # noqa: E402
 from .sampling import GenerationConfig, Sampler  # noqa: E402
+from .session import CancelToken, Generation, GenerationStats, Session, SessionBusy  # noqa: E402
 
-__all__ = ["load", "default_artifact", "default_backend", "Model", "GenerationConfig", "GenerationStats", "CancelToken",
-           "Sampler", "KVCache", "ArtifactError", "ContextOverflow", "Manifest", "BoardMismatch", "__version__"]
+__all__ = ["load", "default_artifact", "default_backend", "Model", "Session", "Generation", "GenerationConfig",
+           "GenerationStats", "CancelToken", "SessionBusy", "Sampler", "KVCache", "ArtifactError", "ConfigError",
+           "ContextOverflow", "Manifest", "ModelConfig", "BoardMismatch", "BACKENDS", "DEFAULT_BACKEND",
+           "DEFAULT_MODEL", "__version__"]
 __version__ = "0.1.0"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the name of the default artifact the CLI builds (models/sources.py)
 log = logging.getLogger(__name__)
 
 
@@ -35,20 +41,30 @@ class BoardMismatch(ArtifactError):
     """The artifact was built for another board."""
 
 
-def load(artifact_dir, threads: int | None = None, board: str | None = None, max_context: int | None = None) -> Model:
+def load(artifact_dir, threads: int | None = None, board: str | None = None, max_context: int | None = None,
+         trusted_keys=None) -> Model:
     """Verify and load an artifact.
 
-    threads: compute threads (None = the board profile's default).
+    threads: compute threads, 1-256 (None = the board profile's default).
     board: board profile name to run as (None = detect this machine); must match the artifact's target.
-    max_context: KV cache positions (None = the board profile's, capped by the artifact's).
+    max_context: KV cache positions of each session (None = the board profile's, capped by the artifact's).
+    trusted_keys: public key files; when any are given (or configured: $BOARDTALK_TRUSTED_KEYS,
+        /etc/boardtalk/trusted_keys/), the manifest must be signed by one of them.
     """
     import boards
+
     from .artifact import FileVerifier, load_manifest, open_artifact
     from .backends import open_backend
     from .tokenizer import Tokenizer
 
     t0 = time.monotonic()
+    if threads is not None:
+        boards.validate_threads(threads)
+    if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
+                                    or max_context < 2):
+        raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     art = open_artifact(artifact_dir)
+    _check_signature(art, trusted_keys)
     m = load_manifest(art, verify_files=False)
     profile = boards.get(board) if board else boards.detect()
     if m.target.board != profile.name:
@@ -61,14 +77,32 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     verifier = FileVerifier(art, m)  # every file's size and sha256, before anything runs
     try:
         tok = Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ArtifactError(f"{m.tokenizer_file}: {e}") from None
     finally:
         verifier.wait_all()
+    if tok.vocab_size != m.architecture.vocab:
+        raise ArtifactError(f"{m.tokenizer_file} has {tok.vocab_size} tokens, the manifest's vocab is "
+                            f"{m.architecture.vocab}")
     _release_freed_memory()  # give back the heap freed while loading (split lines of the tokenizer file)
-    backend = open_backend(m, art, profile.resolved_threads(), profile.provider, ctx)
+    backend = open_backend(m, art, threads=profile.resolved_threads(), provider=profile.provider)
     model = Model(m, backend, tok, ctx, profile)
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
              m.quantization.scheme, profile.name, time.monotonic() - t0, ctx, model.cache.bytes_per_position)
     return model
+
+
+def _check_signature(art: Path, trusted_keys) -> None:
+    """With trusted keys configured, only a manifest signed by one of them loads (fleets: runtime/signing.py)."""
+    from . import signing
+
+    keys = signing.trusted_keys() if trusted_keys is None else list(trusted_keys)
+    if keys:
+        try:
+            key_id = signing.verify_manifest(art, keys)
+        except signing.SignatureError as e:
+            raise ArtifactError(str(e)) from None
+        log.info("manifest signed by trusted key %s", key_id)
 
 
 def _release_freed_memory() -> None:
@@ -81,22 +115,11 @@ def _release_freed_memory() -> None:
         pass
 
 
-def default_backend() -> str:
-    """native when its kernels are built (fastest decode, least memory), else the portable onnxruntime graph."""
-    try:
-        from .native import library
-
-        library()
-        return "native"
-    except (ImportError, OSError) as e:
-        log.info("native kernels unavailable (%s); defaulting to onnxruntime", e)
-        return "onnxruntime"
-
-
 def default_artifact(model_name: str | None = None, board: str | None = None, backend: str | None = None) -> Path:
     """Where the CLI keeps the artifact it builds on first use."""
     import boards
-    from models.sources import DEFAULT_MODEL, cache_dir
+
+    from .artifact import cache_dir
 
     b = board or boards.detect().name
     return cache_dir() / "artifacts" / f"{model_name or DEFAULT_MODEL}-{backend or default_backend()}-{b}"

@@ -18,11 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import ConfigError, ModelConfig
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: native artifacts carry weights.bin (8-row groups) instead of the GGUF
+FORMAT_VERSION = 3  # 3: typed, cross-checked architecture; native artifacts carry their kernel library
 MANIFEST = "manifest.yaml"
-BACKENDS = ("onnxruntime", "native", "tvm")
+KV_SCHEME = "int8-absmax-per-token-head"  # the only KV cache scheme (runtime/kv_cache.py)
+MAX_FILE_BYTES = 1 << 40
 
 
 def cache_dir() -> Path:
@@ -52,7 +55,17 @@ class Quantization:
     group_size: int
     symmetric: bool
     embedding: str  # "q8_0" or "rtn-int4" (tied lm_head)
-    accuracy_level: int  # MatMulNBits accuracy level (4 = int8 activations)
+    accuracy_level: int | None  # MatMulNBits accuracy level (4 = int8 activations); onnxruntime only
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A native kernel library built for the target CPU (native backend): loaded only after its sha256
+    is verified and the CPU is checked for every feature it was compiled for."""
+    file: str
+    cpu_features: tuple[str, ...]  # board-profile vocabulary: avx2, fma, f16c, neon, dotprod, fullfp16
+    cflags: tuple[str, ...]
+    simd: str  # what the kernels use: avx2, neon+dotprod, neon, scalar
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class Manifest:
     format_version: int
     tool_version: str
     model_name: str
-    architecture: dict  # models.arch.LlamaConfig.to_dict()
+    architecture: ModelConfig
     source: dict  # where the weights came from: file name, sha256, package
     tokenizer_file: str
     bos_id: int | None
@@ -68,46 +81,80 @@ class Manifest:
     stop_ids: tuple[int, ...]  # ids that end a reply (eos, end-of-turn)
     chat_template: str | None
     quantization: Quantization
-    kv_cache: dict  # scheme description: dtype, scale, layout
+    kv_cache: dict  # scheme description: scheme, dtype, scale_dtype, layout (the backend's)
     backend: str
-    graph_file: str
+    graph_file: str  # the model: ONNX graph, or the native weights file
+    graph_index: str | None  # native: the tensor index of graph_file
     graph_optimized_by: str | None  # "onnxruntime X.Y.Z" when the graph is already optimized
+    kernels: Kernels | None
     target: Target
     max_context: int
     files: dict  # name -> {"size": int, "sha256": str}
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        q = dict(self.quantization.__dict__)
+        if q["accuracy_level"] is None:
+            del q["accuracy_level"]
+        graph = {"file": self.graph_file}
+        if self.graph_index:
+            graph["index"] = self.graph_index
+        if self.graph_optimized_by:
+            graph["optimized_by"] = self.graph_optimized_by
+        d = {
             "format_version": self.format_version,
             "tool_version": self.tool_version,
-            "model": {"name": self.model_name, "architecture": dict(self.architecture), "source": dict(self.source)},
+            "model": {"name": self.model_name, "architecture": self.architecture.to_dict(), "source": dict(self.source)},
             "tokenizer": {"file": self.tokenizer_file, "bos_id": self.bos_id, "eos_id": self.eos_id,
                           "stop_ids": list(self.stop_ids)},
             "chat_template": self.chat_template,
-            "quantization": dict(self.quantization.__dict__),
+            "quantization": q,
             "kv_cache": dict(self.kv_cache),
             "backend": self.backend,
-            "graph": {"file": self.graph_file, **({"optimized_by": self.graph_optimized_by}
-                                                   if self.graph_optimized_by else {})},
-            "target": dict(self.target.__dict__),
-            "max_context": self.max_context,
-            "files": {k: dict(v) for k, v in self.files.items()},
+            "graph": graph,
         }
+        if self.kernels:
+            k = self.kernels
+            d["kernels"] = {"file": k.file, "cpu_features": list(k.cpu_features), "cflags": list(k.cflags),
+                            "simd": k.simd}
+        d.update({"target": dict(self.target.__dict__), "max_context": self.max_context,
+                  "files": {k: dict(v) for k, v in self.files.items()}})
+        return d
 
 
-def _get(d: Any, path: str, typ, where: str = MANIFEST):
+def _get(d: Any, path: str, typ, where: str = MANIFEST, default=...):
     cur = d
     for key in path.split("."):
         if not isinstance(cur, dict) or key not in cur:
+            if default is not ...:
+                return default
             raise ArtifactError(f"{where}: missing field '{path}'")
         cur = cur[key]
-    if typ is not None and not isinstance(cur, typ) or (typ is int and isinstance(cur, bool)):
+    if default is not ... and cur is None:
+        return default
+    if typ is not None and (not isinstance(cur, typ) or (isinstance(cur, bool) and typ in (int, (int, float)))):
         tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
         raise ArtifactError(f"{where}: field '{path}' should be {tname}, found {type(cur).__name__} {cur!r:.60}")
     return cur
 
 
+def _int_in(d: Any, path: str, lo: int, hi: int, where: str = MANIFEST, default=...) -> int:
+    v = _get(d, path, int, where, default)
+    if v is not None and not lo <= v <= hi:
+        raise ArtifactError(f"{where}: {path} = {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _str_list(d: Any, path: str, where: str) -> tuple[str, ...]:
+    v = _get(d, path, list, where)
+    if any(not isinstance(x, str) for x in v):
+        raise ArtifactError(f"{where}: {path} should be a list of strings")
+    return tuple(v)
+
+
 def parse_manifest(d: Any) -> Manifest:
+    """Every field's type and range, and the rules between them; nothing is sized from a number before this."""
+    from .backends import BACKENDS
+
     if not isinstance(d, dict):
         raise ArtifactError(f"{MANIFEST}: expected a mapping at the top level, found {type(d).__name__}")
     version = _get(d, "format_version", int)
@@ -116,44 +163,76 @@ def parse_manifest(d: Any) -> Manifest:
                             f"{FORMAT_VERSION} (rebuild the artifact with this boardtalk)")
     backend = _get(d, "backend", str)
     if backend not in BACKENDS:
-        raise ArtifactError(f"{MANIFEST}: backend {backend!r} unknown; expected one of {', '.join(BACKENDS)}")
+        raise ArtifactError(f"{MANIFEST}: backend {backend!r:.40} is not in this runtime; known: {', '.join(BACKENDS)}")
     files = _get(d, "files", dict)
     for name, info in files.items():
-        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise ArtifactError(f"{MANIFEST}: file name {name!r} is not a plain file name")
-        _get(info, "size", int, f"{MANIFEST} files.{name}")
-        _get(info, "sha256", str, f"{MANIFEST} files.{name}")
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", "..", MANIFEST):
+            raise ArtifactError(f"{MANIFEST}: file name {name!r:.60} is not a plain file name")
+        _int_in(info, "size", 0, MAX_FILE_BYTES, f"{MANIFEST} files.{name}")
+        digest = _get(info, "sha256", str, f"{MANIFEST} files.{name}")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ArtifactError(f"{MANIFEST}: files.{name}.sha256 is not a sha256 hex digest")
+    try:
+        arch = ModelConfig.from_dict(_get(d, "model.architecture", dict), f"{MANIFEST} model.architecture")
+    except ConfigError as e:
+        raise ArtifactError(str(e)) from None
+    vocab = arch.vocab
+
+    def token_id(path, default=...):
+        return _int_in(d, path, 0, vocab - 1, MANIFEST, default)
+
+    stop = _get(d, "tokenizer.stop_ids", list)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab for x in stop):
+        raise ArtifactError(f"{MANIFEST}: tokenizer.stop_ids should be token ids in [0, {vocab}), found {stop!r:.80}")
     q = _get(d, "quantization", dict)
     t = _get(d, "target", dict)
-    stop = _get(d, "tokenizer.stop_ids", list)
-    bos = _get(d, "tokenizer", dict).get("bos_id")
     tmpl = d.get("chat_template")
+    k = d.get("kernels")
+    kernels = None
+    if k is not None:
+        w = f"{MANIFEST} kernels"
+        kernels = Kernels(file=_get(k, "file", str, w), cpu_features=_str_list(k, "cpu_features", w),
+                          cflags=_str_list(k, "cflags", w), simd=_get(k, "simd", str, w))
+    kv = _get(d, "kv_cache", dict)
+    if kv.get("scheme") != KV_SCHEME:
+        raise ArtifactError(f"{MANIFEST}: kv_cache.scheme {kv.get('scheme')!r:.40} is not supported (this runtime: "
+                            f"{KV_SCHEME})")
+    if kv.get("layout") != BACKENDS[backend].kv_layout:
+        raise ArtifactError(f"{MANIFEST}: kv_cache.layout {kv.get('layout')!r:.40} is not the {backend} backend's "
+                            f"({BACKENDS[backend].kv_layout})")
+    cuda = t.get("cuda_arch")
+    if cuda is not None and not isinstance(cuda, str):
+        raise ArtifactError(f"{MANIFEST}: target.cuda_arch should be a string or null, found {cuda!r:.40}")
     m = Manifest(
         format_version=version,
         tool_version=_get(d, "tool_version", str),
         model_name=_get(d, "model.name", str),
-        architecture=_get(d, "model.architecture", dict),
+        architecture=arch,
         source=_get(d, "model.source", dict),
         tokenizer_file=_get(d, "tokenizer.file", str),
-        bos_id=bos if isinstance(bos, int) else None,
-        eos_id=_get(d, "tokenizer.eos_id", int),
-        stop_ids=tuple(int(x) for x in stop),
+        bos_id=token_id("tokenizer.bos_id", None),
+        eos_id=token_id("tokenizer.eos_id"),
+        stop_ids=tuple(stop),
         chat_template=tmpl if isinstance(tmpl, str) else None,
         quantization=Quantization(
-            scheme=_get(q, "scheme", str, "quantization"), bits=_get(q, "bits", int, "quantization"),
-            group_size=_get(q, "group_size", int, "quantization"), symmetric=_get(q, "symmetric", bool, "quantization"),
-            embedding=_get(q, "embedding", str, "quantization"), accuracy_level=_get(q, "accuracy_level", int, "quantization")),
-        kv_cache=_get(d, "kv_cache", dict),
+            scheme=_get(q, "scheme", str, "quantization"), bits=_int_in(q, "bits", 1, 16, "quantization"),
+            group_size=_int_in(q, "group_size", 1, 1 << 16, "quantization"),
+            symmetric=_get(q, "symmetric", bool, "quantization"), embedding=_get(q, "embedding", str, "quantization"),
+            accuracy_level=_int_in(q, "accuracy_level", 0, 4, "quantization", None)),
+        kv_cache=kv,
         backend=backend,
         graph_file=_get(d, "graph.file", str),
-        graph_optimized_by=_get(d, "graph", dict).get("optimized_by"),
-        target=Target(board=_get(t, "board", str, "target"), triple=_get(t, "triple", str, "target"),
-                      cuda_arch=t.get("cuda_arch")),
-        max_context=_get(d, "max_context", int),
+        graph_index=_get(d, "graph.index", str, MANIFEST, None),
+        graph_optimized_by=_get(d, "graph.optimized_by", str, MANIFEST, None),
+        kernels=kernels,
+        target=Target(board=_get(t, "board", str, "target"), triple=_get(t, "triple", str, "target"), cuda_arch=cuda),
+        max_context=_int_in(d, "max_context", 1, arch.context_length),
         files=files,
     )
-    for f in (m.tokenizer_file, m.graph_file):
-        if f not in files:
+    if backend == "native" and (m.graph_index is None or m.kernels is None):
+        raise ArtifactError(f"{MANIFEST}: a native artifact needs graph.index and kernels (rebuild it with this boardtalk)")
+    for f in (m.tokenizer_file, m.graph_file, m.graph_index, m.kernels and m.kernels.file):
+        if f and f not in files:
             raise ArtifactError(f"{MANIFEST}: {f} is used but not listed under 'files' (so it cannot be verified)")
     return m
 

@@ -9,6 +9,11 @@ One array for K and V of every layer, in the layout the backend reads best:
 K heads come first, V heads after; scales are symmetric absmax/127 per (token, layer, head).
 A step writes only its own rows. ``tokens`` remembers which ids produced the cached rows,
 which is what prefix reuse compares against.
+
+A cache belongs to one session and is made by the session's backend (``Backend.new_cache``),
+which may keep per-session run state beside it (the native backend's scratch) and free it in
+``close()``. ``shift`` is the context shift of long conversations: it drops a run of positions
+and moves the later ones down, re-rotating their keys (see its docstring for the error bound).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ class ContextOverflow(ValueError):
 class KVCache:
     def __init__(self, max_seq: int, n_layers: int, n_kv_heads: int, head_dim: int, layer_major: bool = False):
         self.max_seq = max_seq
+        self.n_kv_heads = n_kv_heads
         self.layer_major = layer_major
         lead = (n_layers, max_seq) if layer_major else (max_seq, n_layers)
         self.kv = _lazy_zeros(lead + (2 * n_kv_heads, head_dim), np.int8)
@@ -76,6 +82,37 @@ class KVCache:
 
     def reset(self) -> None:
         self.tokens.clear()
+
+    def close(self) -> None:
+        """Free what the backend keeps beside the cache (nothing here); the arrays go with the object."""
+
+    def shift(self, keep: int, drop: int, rotate) -> None:
+        """Context shift: forget positions [keep, keep + drop) and move the later ones down by ``drop``.
+
+        V rows move as they are. K rows were stored after RoPE at their old positions, so each is
+        dequantized, rotated back by ``drop`` positions (``rotate(k (..., head_dim) float, -drop)``
+        -> float64) and quantized again with a fresh absmax/127 scale: one extra rounding of at most
+        half a quantization step per element, the same size as the error the int8 cache already has.
+        The caller drops at least half of what follows ``keep`` each time (Session.chat does), so a
+        row is shifted at most once before it is itself dropped: the error never compounds.
+        """
+        n = len(self.tokens)
+        if keep < 0 or drop < 1 or keep + drop > n:
+            raise ValueError(f"cannot shift: keep {keep}, drop {drop}, cache holds {n}")
+        m = n - keep - drop
+        kvh = self.n_kv_heads
+        pos = (lambda a, b: (slice(None), slice(a, b))) if self.layer_major else (lambda a, b: (slice(a, b),))
+        src, dst = pos(keep + drop, n), pos(keep, keep + m)
+        if m:
+            k = self.kv[src][..., :kvh, :].astype(np.float32) * self.scale[src][..., :kvh, :]
+            k = rotate(k, -drop)
+            s = np.maximum(np.abs(k).max(-1, keepdims=True) / 127.0, KV_SCALE_FLOOR)
+            q = np.clip(np.rint(k / s), -127, 127).astype(np.int8)  # rint: half to even, as the kernels
+            self.kv[dst][..., kvh:, :] = self.kv[src][..., kvh:, :]
+            self.scale[dst][..., kvh:, :] = self.scale[src][..., kvh:, :]
+            self.kv[dst][..., :kvh, :] = q
+            self.scale[dst][..., :kvh, :] = s.astype(np.float32)
+        del self.tokens[keep : keep + drop]
 
     def common_prefix(self, ids) -> int:
         """Length of the longest common prefix of ``ids`` and the cached tokens."""

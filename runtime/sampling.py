@@ -1,6 +1,7 @@
 """Sampling: generation options and the Sampler that turns logits into the next id."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,24 +24,36 @@ class GenerationConfig:
         validate(self)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def validate(c: GenerationConfig) -> None:
-    """The one place that checks the options' ranges and how they combine."""
-    if not isinstance(c.max_new_tokens, int) or c.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {c.max_new_tokens!r}")
-    if not c.temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {c.temperature!r}")
-    if not isinstance(c.top_k, int) or c.top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0, got {c.top_k!r}")
-    if not 0 < c.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {c.top_p!r}")
-    if not c.repetition_penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {c.repetition_penalty!r}")
-    if not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be an int >= 1, got {c.prefill_chunk!r}")
-    if isinstance(c.stop_strings, str) or any(not isinstance(s, str) or not s for s in c.stop_strings):
-        raise ValueError("stop_strings must be a tuple of non-empty strings")
-    if c.stop_ids is not None and any(not isinstance(i, int) for i in c.stop_ids):
-        raise ValueError("stop_ids must be a tuple of ints")
+    """The one place that checks the options' types, ranges and how they combine."""
+    if not _int(c.max_new_tokens) or c.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {c.max_new_tokens!r}")
+    if not _num(c.temperature) or not 0 <= c.temperature <= 100:
+        raise ValueError(f"temperature must be a number from 0 (greedy) to 100, got {c.temperature!r}")
+    if not _int(c.top_k) or c.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0, got {c.top_k!r}")
+    if not _num(c.top_p) or not 0 < c.top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {c.top_p!r}")
+    if not _num(c.repetition_penalty) or not 0 < c.repetition_penalty <= 100:
+        raise ValueError(f"repetition_penalty must be a number in (0, 100], got {c.repetition_penalty!r}")
+    if c.seed is not None and (not _int(c.seed) or not 0 <= c.seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {c.seed!r}")
+    if not _int(c.prefill_chunk) or c.prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1, got {c.prefill_chunk!r}")
+    if (not isinstance(c.stop_strings, (tuple, list)) or any(not isinstance(s, str) or not s for s in c.stop_strings)):
+        raise ValueError(f"stop_strings must be a tuple of non-empty strings, got {c.stop_strings!r:.60}")
+    if c.stop_ids is not None and (not isinstance(c.stop_ids, (tuple, list)) or any(not _int(i) for i in c.stop_ids)):
+        raise ValueError(f"stop_ids must be a tuple of ints or None, got {c.stop_ids!r:.60}")
+    if not isinstance(c.truncate_prompt, bool):
+        raise ValueError(f"truncate_prompt must be True or False, got {c.truncate_prompt!r}")
 
 
 class Sampler:

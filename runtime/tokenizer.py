@@ -102,19 +102,21 @@ class Tokenizer:
             self._bytes[i] = b
         return b
 
-    def _encode(self, text: str, specials: bool) -> list[int]:
+    def _encode(self, text: str, specials: bool, limit: int | None = None) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         added = self._all if specials else self._user
         ids: list[int] = []
-        for k, part in enumerate(added.split(text) if added else (text,)):
+        for k, part in enumerate(added.splititer(text) if added else (text,)):
             if k % 2:  # a captured added token
                 ids.append(self._ids[part])
             elif part:
-                pieces = self._numbers.split(part) if self._numbers else (part,)
+                pieces = self._numbers.splititer(part) if self._numbers else (part,)
                 for piece in pieces:
-                    for word in self._split.findall(piece):
-                        ids += self._word(word)
+                    for word in self._split.finditer(piece):
+                        ids += self._word(word.group())
+                        if limit is not None and len(ids) > limit:
+                            return ids[: limit + 1]
         return ids
 
     def _word(self, word: str) -> list[int]:
@@ -167,9 +169,11 @@ class Tokenizer:
                     heapq.heappush(heap, (rq, i, merged + sym[q]))
         return [s for s in sym if s]
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of plain text; special-token strings are encoded as ordinary text."""
-        return self._encode(text, specials=False)
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of plain text; special-token strings are encoded as ordinary text. With ``limit``, stops
+        once it has more than limit ids (returns limit + 1 of them): a prompt that cannot fit the
+        context is refused after tokenizing only what fits, however long the text."""
+        return self._encode(text, specials=False, limit=limit)
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Ids of trusted text (template markup) where special-token strings become their ids."""
