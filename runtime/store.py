@@ -49,6 +49,10 @@ KNOWN_PATTERN = re.compile(r"bt_native-[A-Za-z0-9._-]+\.so")  # the native kerne
 MAX_MANIFEST_BYTES = 4 << 20  # a manifest is a few KiB; a larger "manifest" is not one
 MAX_SIGNATURE_BYTES = 64 << 10
 PRE_MANIFEST_LIMIT = 64 << 20  # bytes of tarball members allowed before manifest.yaml is seen
+# Quantized weights barely compress (~1.1x): a tarball whose manifest promises more than this many
+# times its own size (and more than EXPANSION_FLOOR) is a decompression bomb, even if the sizes agree.
+MAX_EXPANSION = 50
+EXPANSION_FLOOR = 64 << 20
 
 
 class StoreError(ValueError):
@@ -356,6 +360,7 @@ class _TarPlan:
 
     def __init__(self, where: Path):
         self.where = where
+        self.packed_size = where.stat().st_size
         self.prefix: str | None = None
         self.manifest: bytes | None = None
         self.sizes: dict[str, int] = {}  # listed file -> size, from the manifest
@@ -411,6 +416,11 @@ class _TarPlan:
     def set_manifest(self, data: bytes) -> None:
         self.manifest = data
         self.sizes = _parse_tar_manifest(data, self.where)
+        total = sum(self.sizes.values())
+        if total > max(EXPANSION_FLOOR, MAX_EXPANSION * self.packed_size):
+            raise StoreError(f"tarball {self.where}: its {MANIFEST} lists {total} bytes from a {self.packed_size}-byte "
+                             f"file (over {MAX_EXPANSION}x; quantized weights barely compress); "
+                             "refused before unpacking")
         for m in self.before:
             self._check_listed(m, _member_name(m.name, self.where)[1])
         self.before = []
