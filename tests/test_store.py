@@ -33,10 +33,13 @@ def _fake_artifact(d: Path, files: dict[str, bytes]) -> Path:
 
 
 def _verified(art: Path):
-    """Every file's size and sha256 checked against the manifest (the loader's check)."""
+    """Every file's size and sha256 checked against the manifest, then loaded as a model."""
+    import runtime
     from runtime.artifact import load_manifest
 
-    return load_manifest(art, verify_files=True)
+    m = load_manifest(art, verify_files=True)
+    runtime.load(art)
+    return m
 
 
 def _build(gguf, out, **kw):
