@@ -114,6 +114,7 @@ class Session:
         self.last_stats = GenerationStats()
         self._lock = threading.Lock()  # held during each step
         self._owner: object | None = None  # the generation allowed to step; a new one supersedes it
+        self._closed = False
 
     @property
     def max_context(self) -> int:
@@ -121,6 +122,8 @@ class Session:
 
     # ---- ownership: one generation at a time ------------------------------------------------
     def _enter(self, owner: object | None = None) -> None:
+        if self._closed:
+            raise ValueError("session is closed")
         if not self._lock.acquire(blocking=False):
             raise SessionBusy("session is busy: another thread is running a step on it (give each thread its own "
                               "model.new_session(), or cancel the running generation first)")
@@ -166,6 +169,16 @@ class Session:
         finally:
             self._lock.release()
 
+    def logits(self, ids) -> np.ndarray:
+        """Feed ids after what is cached; returns the logits (len(ids), vocab) float32 of every one."""
+        ids = self.model.check_ids(ids)
+        self._claim()
+        self._enter(None)
+        try:
+            return self._forward(ids, 0)
+        finally:
+            self._lock.release()
+
     def decode_step(self, token_id: int) -> np.ndarray:
         ids = self.model.check_ids([token_id])
         self._claim()
@@ -185,8 +198,10 @@ class Session:
 
     def close(self) -> None:
         """Free the cache's run state now; the session is unusable afterwards."""
-        self._claim()
-        self.cache.close()
+        if not self._closed:
+            self._claim()
+            self._closed = True
+            self.cache.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -209,22 +224,20 @@ class Session:
     def generate(self, prompt_ids, config: GenerationConfig = GenerationConfig(),
                  cancel: CancelToken | None = None) -> Generation:
         """Ids of the reply. Stop ids are not yielded; nor is the id that completes a stop string."""
+        _check_args(config, cancel)
         ids = self.model.check_ids(prompt_ids)
         return self._start(self._fit(ids, config), config, cancel, want_text=bool(config.stop_strings), before=ids)
 
     def stream(self, prompt_ids, config: GenerationConfig = GenerationConfig(),
                cancel: CancelToken | None = None) -> Iterator[str]:
         """Text deltas of the reply; a delta never splits a UTF-8 character and stop strings never show."""
+        _check_args(config, cancel)
         ids = self.model.check_ids(prompt_ids)
         return self._start(self._fit(ids, config), config, cancel, want_text=True, before=ids).texts()
 
     def _start(self, ids: list[int], config: GenerationConfig, cancel, want_text: bool, before: list[int],
                stats: GenerationStats | None = None) -> Generation:
         """before: the prompt before old tokens were cut out of it (== ids when nothing was)."""
-        if not isinstance(config, GenerationConfig):
-            raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
-        if cancel is not None and not isinstance(cancel, CancelToken):
-            raise TypeError(f"cancel must be a CancelToken or None, got {type(cancel).__name__}")
         st = self.last_stats = stats or GenerationStats()
         st.prompt_tokens = len(ids)
         owner = self._claim()
@@ -331,6 +344,7 @@ class Session:
         cached KV of the turns that remain is shifted down instead of computed again.
         ``last_stats.dropped_messages`` says how many messages were left out: drop them from your
         history too, so the next call renders only what the model still sees."""
+        _check_args(config, cancel)
         msgs = validate_messages(messages)
         ids = before = self.chat_ids(msgs)
         st = GenerationStats()
@@ -396,6 +410,13 @@ class Session:
             self._lock.release()
         n = len(ids) - 1
         return float(np.exp(nll / n)), n
+
+
+def _check_args(config, cancel) -> None:
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if cancel is not None and not isinstance(cancel, CancelToken):
+        raise TypeError(f"cancel must be a CancelToken or None, got {type(cancel).__name__}")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

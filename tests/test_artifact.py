@@ -64,7 +64,7 @@ def test_unlisted_graph_is_rejected(art):
 
 def test_wrong_format_version_is_rejected(art):
     _edit_manifest(art, lambda m: m.update(format_version=99))
-    with pytest.raises(ArtifactError, match="format_version 99 is not supported; this runtime reads version 2"):
+    with pytest.raises(ArtifactError, match=f"format_version 99 is not supported; this runtime reads version {FORMAT_VERSION}"):
         runtime.load(art)
 
 
@@ -120,8 +120,8 @@ def test_native_index_that_does_not_match_the_architecture_is_rejected(tiny_arti
     idx["tensors"]["blk.1.ffn_down.weight"][1] -= 160  # one group block short
     (d / "native.json").write_text(json.dumps(idx))
     m = load_manifest(d, verify_files=False).to_dict()
-    m.pop("files"), m.pop("format_version")
-    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.bpe"])
+    files = list(m.pop("files")), m.pop("format_version")
+    write_manifest(d, m, files[0])
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q4_1x8, \d+ bytes .* expected Q4_1x8, \d+ bytes"):
         runtime.load(d)
 
@@ -149,7 +149,7 @@ def test_native_index_of_an_older_format_asks_for_a_rebuild(tiny_artifacts, tmp_
     idx = json.loads((d / "native.json").read_text())
     (d / "native.json").write_text(json.dumps({"tensors": idx["tensors"]}))  # format 1 had no "format"
     m = load_manifest(d, verify_files=False).to_dict()
-    m.pop("files"), m.pop("format_version")
-    write_manifest(d, m, ["weights.bin", "native.json", "tokenizer.bpe"])
-    with pytest.raises(ValueError, match=r"native\.json: format 1 .* rebuild the artifact"):
+    files = list(m.pop("files")), m.pop("format_version")
+    write_manifest(d, m, files[0])
+    with pytest.raises(ValueError, match=r"native\.json: format \? .* rebuild the artifact"):
         runtime.load(d)

@@ -163,23 +163,36 @@ def test_generation_stops_when_the_context_is_full(tiny_model):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=-1),
-                                 dict(stop_strings="x"), dict(prefill_chunk=0), dict(repetition_penalty=0)])
+                                 dict(stop_strings="x"), dict(prefill_chunk=0), dict(repetition_penalty=0),
+                                 dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature="1"),
+                                 dict(max_new_tokens=True), dict(max_new_tokens=2.0), dict(top_p=float("nan")),
+                                 dict(seed=-1), dict(seed=1.5), dict(stop_ids=(1.0,)), dict(truncate_prompt="yes")])
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         GenerationConfig(**bad)
 
 
-def test_malformed_requests(tiny_model):
-    with pytest.raises(ValueError, match="empty prompt"):
-        list(tiny_model.generate([]))
-    with pytest.raises(ValueError, match="out of range"):
-        list(tiny_model.generate([1, 10**6]))
-    with pytest.raises(ValueError, match="sequence of ints"):
-        list(tiny_model.generate(["a"]))
+@pytest.mark.parametrize("bad,msg", [([], "empty prompt"), ([1, 10**6], "out of range"), ([1, -1], "out of range"),
+                                     (["a"], "must be ints"), ([1.0, 2.0], "must be ints"), ([True], "must be ints"),
+                                     ("hello", "sequence of ints"), (b"\x01\x02", "sequence of ints"), (5, "sequence"),
+                                     (np.array([1.5]), "integers")])
+def test_malformed_requests_are_refused_at_the_call(tiny_model, bad, msg):
+    """Issue #7 defect 12: the API silently accepted floats, strings, bytes and bools as token ids.
+    Validation is eager: the call raises, not the first next()."""
+    with pytest.raises(ValueError, match=msg):
+        tiny_model.generate(bad)
+    with pytest.raises(ValueError, match=msg):
+        tiny_model.stream(bad)
+
+
+def test_malformed_chat_messages(tiny_model):
     with pytest.raises(ValueError, match="role"):
-        list(tiny_model.chat([{"role": "wizard", "content": "x"}]))
+        tiny_model.chat([{"role": "wizard", "content": "x"}])
     with pytest.raises(ValueError, match="non-empty list"):
-        list(tiny_model.chat([]))
+        tiny_model.chat([])
+    with pytest.raises(TypeError, match="GenerationConfig"):
+        tiny_model.generate([1, 2], {"max_new_tokens": 3})
+    assert list(tiny_model.generate(np.array([1, 2], np.int32), GenerationConfig(max_new_tokens=2)))  # numpy ints ok
 
 
 def test_user_text_cannot_inject_special_tokens(tiny_model):

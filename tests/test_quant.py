@@ -111,7 +111,7 @@ def test_float_source_builds_with_rtn_int4(tmp_path, board_name):
     assert report.worst_tensor in linear and report.worst_max_abs == max(e.max_abs for e in linear.values())
     model = runtime.load(tmp_path / "a")
     ids = model.tokenizer.encode("the cat sat")
-    got = model._forward(ids, 0).astype(np.float64)
+    got = model.session.logits(ids).astype(np.float64)
     # the reference with the weights as quantized: the graph must compute exactly what was packed
     import gguf
 
