@@ -2,7 +2,10 @@
 
 A profile is a small overlay on an artifact's manifest: where it runs (triple, CUDA
 arch), how (threads, execution provider, max context) and the audio devices the voice
-demo should use. ``detect()`` names the board this process runs on.
+demo should use. It is also the one place that says how the native kernels are compiled for
+the board (``cflags``) and which CPU features that build needs (``cpu_features``): the
+artifact builder compiles with the first, the runtime checks the second before loading.
+``detect()`` names the board this process runs on.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+MAX_THREADS = 256  # the most threads a model may run with (the native scratch holds per-thread state)
 
 
 @dataclass(frozen=True)
@@ -21,38 +25,51 @@ class BoardProfile:
     description: str
     triple: str  # target triple of the host CPU
     cpu: str  # LLVM mcpu / tuning name
-    cpu_features: tuple[str, ...]
-    threads: int  # 0 = number of usable cores
+    cpu_features: tuple[str, ...]  # what a build for this board needs: x86 avx2/fma/f16c, aarch64 neon/dotprod/fullfp16
+    threads: int  # 0 = number of usable cores (at most MAX_THREADS)
     provider: str  # onnxruntime execution provider
     max_context: int  # KV cache positions preallocated
     cuda_arch: str | None = None
     audio_input: str | None = None  # sounddevice name or index; None = system default
     audio_output: str | None = None
+    cflags: tuple[str, ...] = ()  # gcc target flags of the native kernels (with -O3 -fopenmp, models/native_build.py)
 
     @property
     def arch(self) -> str:
         return self.triple.split("-")[0]
 
     def resolved_threads(self) -> int:
+        """threads if set (validated), else the usable cores, at most MAX_THREADS."""
         if self.threads:
-            return self.threads
+            return validate_threads(self.threads)
         try:
-            return max(1, len(os.sched_getaffinity(0)))
+            cores = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - non-Linux
-            return max(1, os.cpu_count() or 1)
+            cores = os.cpu_count() or 1
+        return min(MAX_THREADS, max(1, cores))
 
 
+def validate_threads(n: object) -> int:
+    """n if it is a usable thread count (an int from 1 to MAX_THREADS), else ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"threads must be an integer from 1 to {MAX_THREADS}, got {n!r}")
+    return n
+
+
+# cflags: x86-64-v3 is AVX2 + FMA + F16C (the kernels' AVX2 path needs all three). The Orin's CPU is a
+# Cortex-A78AE; aarch64-linux-gnu-gcc 12 (Debian 12, the CI cross compiler) accepts -mcpu=cortex-a78ae.
+# cpu stays "cortex-a78" for the Jetsons: it is the LLVM tuning name other backends read.
 PROFILES: dict[str, BoardProfile] = {
-    "host": BoardProfile("host", "x86-64 development host (CPU)", "x86_64-linux-gnu", "x86-64-v3", ("avx2", "fma"), 0,
-                         "CPUExecutionProvider", 2048),
+    "host": BoardProfile("host", "x86-64 development host (CPU)", "x86_64-linux-gnu", "x86-64-v3", ("avx2", "fma", "f16c"),
+                         0, "CPUExecutionProvider", 2048, cflags=("-march=x86-64-v3",)),
     "pi5": BoardProfile("pi5", "Raspberry Pi 5 (Cortex-A76, NEON + dotprod, CPU only)", "aarch64-linux-gnu", "cortex-a76",
-                        ("neon", "dotprod", "fullfp16"), 4, "CPUExecutionProvider", 2048),
+                        ("neon", "dotprod", "fullfp16"), 4, "CPUExecutionProvider", 2048, cflags=("-mcpu=cortex-a76",)),
     "jetson-orin-nano": BoardProfile("jetson-orin-nano", "NVIDIA Jetson Orin Nano (Cortex-A78AE host, CUDA sm_87)",
                                      "aarch64-linux-gnu", "cortex-a78", ("neon", "dotprod", "fullfp16"), 6,
-                                     "CUDAExecutionProvider", 4096, cuda_arch="sm_87"),
+                                     "CUDAExecutionProvider", 4096, cuda_arch="sm_87", cflags=("-mcpu=cortex-a78ae",)),
     "jetson-agx-orin": BoardProfile("jetson-agx-orin", "NVIDIA Jetson AGX Orin (Cortex-A78AE host, CUDA sm_87)",
                                     "aarch64-linux-gnu", "cortex-a78", ("neon", "dotprod", "fullfp16"), 8,
-                                    "CUDAExecutionProvider", 8192, cuda_arch="sm_87"),
+                                    "CUDAExecutionProvider", 8192, cuda_arch="sm_87", cflags=("-mcpu=cortex-a78ae",)),
 }
 
 

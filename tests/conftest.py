@@ -13,6 +13,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: uses the real SmolLM2-135M (downloads its wheel once); CI runs these")
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (run on the GPU machine)")
     config.addinivalue_line("markers", "board: needs a real Pi 5 / Jetson board")
+    config.addinivalue_line("markers", "kernels: compiles C (host, and aarch64 cross + qemu-user)")
 
 
 @pytest.fixture(scope="session")

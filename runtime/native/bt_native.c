@@ -14,7 +14,12 @@
  *             K heads first, scale = max(absmax/127, 1e-30), q = round-half-even(x/scale)
  *   rope cos/sin: (max_pos, D/2) float32, adjacent pairs (x[2i], x[2i+1]) rotated
  * Threads: OpenMP over 8-row groups of each matrix; attention over (token, KV head) pairs in prefill
- * and over (KV head, 32-position chunk) in decode.
+ * and over (KV head, 32-position chunk) in decode. The thread count is fixed when the scratch is made
+ * (bt_scratch_new) and passed with num_threads(...) to every parallel region, so OMP_NUM_THREADS or
+ * another caller's omp_set_num_threads cannot change it, and omp_get_thread_num() < the scratch's
+ * n_threads always (per-thread buffers are sized from it).
+ * State: none global. Everything a call mutates lives in its scratch (buffers, profile timers), so
+ * two threads may run bt_forward at once on different scratches.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,7 +37,6 @@
 #endif
 
 #define QK 32
-#define BT_MAX_THREADS 64
 #define KV_SCALE_FLOOR 1e-30f
 
 typedef struct {
@@ -52,24 +56,14 @@ typedef struct { /* pointers into the mmapped weights file, per layer arrays of 
 
 typedef struct { float d, s; int8_t qs[QK]; } block_q8; /* activations: s = d * sum(qs) */
 
-/* Optional phase timers (bt_profile): seconds spent in each part of bt_forward since the last reset. */
+/* Optional phase timers (bt_profile), per scratch: seconds spent in each part of bt_forward since the last reset. */
 enum { P_QKV, P_ATTN, P_O, P_GATE_UP, P_DOWN, P_LM_HEAD, P_OTHER, P_N };
-static double prof_s[P_N];
-static int prof_on;
 #ifdef _OPENMP
 #define NOW() omp_get_wtime()
 #else
 #include <time.h>
 static double NOW(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
 #endif
-#define TICK(phase) do { if (prof_on) { double t_ = NOW(); prof_s[phase] += t_ - prof_t; prof_t = t_; } } while (0)
-
-/* on: 1 enables the timers, 0 disables; out (P_N doubles, may be NULL) receives the totals, which are then reset */
-void bt_profile(int on, double *out) {
-    if (out) memcpy(out, prof_s, sizeof prof_s);
-    memset(prof_s, 0, sizeof prof_s);
-    prof_on = on;
-}
 
 static inline float f16_to_f32(uint16_t h) {
 #if defined(BT_AVX2)
@@ -377,10 +371,11 @@ static void group_matmul(const uint8_t *w, int nb, const block_q8 *x, int T, flo
  * stacked (fused QKV, gate|up: one parallel region instead of three). N0 and N1 are multiples
  * of 8; the last matrix may end in a padded group, whose extra rows are computed and dropped. */
 static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t *W1, int N1, const uint8_t *W2, int N2,
-                    const block_q8 *xq, int nb, int T, int q8) {
+                    const block_q8 *xq, int nb, int T, int q8, int nt) {
     const size_t gbytes = (size_t)nb * (q8 ? Q8X8 : Q4X8);
     const int N = N0 + N1 + N2, G0 = N0 / 8, G1 = N1 / 8, G = (N + 7) / 8;
-#pragma omp parallel for schedule(static)
+    (void)nt; /* unused without OpenMP */
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int g = 0; g < G; g++) {
         const int n = 8 * g;
         const uint8_t *wg = n < N0 ? W0 + g * gbytes : n < N0 + N1 ? W1 + (g - G0) * gbytes : W2 + (g - G0 - G1) * gbytes;
@@ -397,8 +392,8 @@ static void matmul3(float *y, int ldy, const uint8_t *W0, int N0, const uint8_t 
     }
 }
 
-static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8) {
-    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8);
+static void matmul(float *y, int ldy, const uint8_t *W, int N, const block_q8 *xq, int nb, int T, int q8, int nt) {
+    matmul3(y, ldy, W, N, NULL, 0, NULL, 0, xq, nb, T, q8, nt);
 }
 
 static void rmsnorm(float *o, const float *x, const float *w, int n, float eps) {
@@ -673,31 +668,18 @@ static void attn_merge(const float *parts, int nch, int G, int D, float *out) {
     }
 }
 
-/* Scratch for up to max_t tokens per call. */
+/* Everything one model instance mutates during bt_forward: buffers for up to max_t tokens per call,
+ * the thread count every parallel region uses, and the profile timers. */
 typedef struct {
-    int max_t;
+    bt_config cfg; /* the shapes the buffers were sized for: bt_forward refuses a different config */
+    int max_t, n_threads;
     float *h, *xn, *qkv, *att, *gu;
     block_q8 *xq;
-    float *parts; /* attention partials: per thread (prefill) or per KV head (decode), max_seq/ACH chunks of G x (D+2) */
+    float *parts; /* attention partials: per thread (prefill) or per KV head (decode), max(n_threads, KVH)
+                   * slots of max_seq/ACH chunks of G x (D+2) */
+    double prof_s[P_N]; /* seconds per phase since the last bt_profile */
+    int prof_on;
 } bt_scratch;
-
-void *bt_scratch_new(const bt_config *c, int max_t) {
-    bt_scratch *s = (bt_scratch *)calloc(1, sizeof(bt_scratch));
-    if (!s) return NULL;
-    const int C = c->hidden, QKV = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim, F = c->ffn;
-    const int widest = F > C ? F : C;
-    s->max_t = max_t;
-    s->h = (float *)malloc(sizeof(float) * (size_t)max_t * C);
-    s->xn = (float *)malloc(sizeof(float) * (size_t)max_t * widest);
-    s->qkv = (float *)malloc(sizeof(float) * (size_t)max_t * QKV);
-    s->att = (float *)malloc(sizeof(float) * (size_t)max_t * C);
-    s->gu = (float *)malloc(sizeof(float) * (size_t)max_t * 2 * F);
-    s->xq = (block_q8 *)malloc(sizeof(block_q8) * (size_t)max_t * (widest / QK));
-    const int nch = (c->max_seq + ACH - 1) / ACH, slots = BT_MAX_THREADS > c->n_kv_heads ? BT_MAX_THREADS : c->n_kv_heads;
-    s->parts = (float *)malloc(sizeof(float) * (size_t)slots * nch * c->n_heads / c->n_kv_heads * (c->head_dim + 2));
-    if (!s->h || !s->xn || !s->qkv || !s->att || !s->gu || !s->xq || !s->parts) return NULL;
-    return s;
-}
 
 void bt_scratch_free(void *p) {
     bt_scratch *s = (bt_scratch *)p;
@@ -706,20 +688,63 @@ void bt_scratch_free(void *p) {
     free(s);
 }
 
-/* Run T tokens at positions start..start+T-1. Writes their K/V into the cache rows and the
- * logits of tokens logits_from..T-1 into logits ((T - logits_from) x vocab); logits_from = -1
- * skips the output layer. Returns 0 or an error code. */
-int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int64_t *ids, int T, int start,
-               int8_t *kv, float *kv_scale, float *logits, int logits_from, int n_threads) {
+/* Scratch for up to max_t tokens per call run by n_threads threads (>= 1). NULL on bad arguments or
+ * a failed allocation, with whatever was allocated freed. */
+void *bt_scratch_new(const bt_config *c, int max_t, int n_threads) {
+    if (!c || max_t < 1 || n_threads < 1 || c->hidden < QK || c->hidden % QK || c->ffn < QK || c->ffn % QK ||
+        c->n_heads < 1 || c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads || c->head_dim < 2 || c->max_seq < 1)
+        return NULL;
+    bt_scratch *s = (bt_scratch *)calloc(1, sizeof(bt_scratch));
+    if (!s) return NULL;
+    const int C = c->hidden, QKV = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim, F = c->ffn;
+    const int widest = F > C ? F : C;
+    s->cfg = *c;
+    s->max_t = max_t;
+    s->n_threads = n_threads;
+    s->h = (float *)malloc(sizeof(float) * (size_t)max_t * C);
+    s->xn = (float *)malloc(sizeof(float) * (size_t)max_t * widest);
+    s->qkv = (float *)malloc(sizeof(float) * (size_t)max_t * QKV);
+    s->att = (float *)malloc(sizeof(float) * (size_t)max_t * C);
+    s->gu = (float *)malloc(sizeof(float) * (size_t)max_t * 2 * F);
+    s->xq = (block_q8 *)malloc(sizeof(block_q8) * (size_t)max_t * (widest / QK));
+    const int nch = (c->max_seq + ACH - 1) / ACH, slots = n_threads > c->n_kv_heads ? n_threads : c->n_kv_heads;
+    s->parts = (float *)malloc(sizeof(float) * (size_t)slots * nch * (c->n_heads / c->n_kv_heads) * (c->head_dim + 2));
+    if (!s->h || !s->xn || !s->qkv || !s->att || !s->gu || !s->xq || !s->parts) {
+        bt_scratch_free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* on: 1 enables the scratch's timers, 0 disables; out (P_N doubles, may be NULL) receives the totals,
+ * which are then reset. Phases: qkv, attention, o_proj, gate_up, down, lm_head, other. */
+void bt_profile(void *scratch, int on, double *out) {
     bt_scratch *s = (bt_scratch *)scratch;
-    if (T < 1 || T > s->max_t) return 1;
+    if (!s) return;
+    if (out) memcpy(out, s->prof_s, sizeof s->prof_s);
+    memset(s->prof_s, 0, sizeof s->prof_s);
+    s->prof_on = on;
+}
+
+#define TICK(phase) do { if (s->prof_on) { double t_ = NOW(); s->prof_s[phase] += t_ - prof_t; prof_t = t_; } } while (0)
+
+/* Run T tokens at positions start..start+T-1 with the scratch's n_threads threads. Writes their K/V into
+ * the cache rows and the logits of tokens logits_from..T-1 into logits ((T - logits_from) x vocab);
+ * logits_from = -1 skips the output layer. Returns 0 or an error code: 1 bad T (or no scratch),
+ * 2 positions past max_seq, 3 bad logits_from, 4 token id out of range, 5 unsupported head grouping,
+ * 6 a config with other shapes than the scratch was made for. */
+int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int64_t *ids, int T, int start,
+               int8_t *kv, float *kv_scale, float *logits, int logits_from) {
+    bt_scratch *s = (bt_scratch *)scratch;
+    if (!s || T < 1 || T > s->max_t) return 1;
     if (start < 0 || start + T > c->max_seq) return 2;
     if (logits_from < -1 || logits_from >= T) return 3; /* -1: no logits wanted (an early prefill chunk) */
     if (c->n_heads % c->n_kv_heads || c->n_heads / c->n_kv_heads > GMAX) return 5;
-#ifdef _OPENMP
-    if (n_threads > BT_MAX_THREADS) n_threads = BT_MAX_THREADS;
-    if (n_threads > 0) omp_set_num_threads(n_threads);
-#endif
+    if (c->hidden != s->cfg.hidden || c->n_heads != s->cfg.n_heads || c->n_kv_heads != s->cfg.n_kv_heads ||
+        c->head_dim != s->cfg.head_dim || c->ffn != s->cfg.ffn || c->max_seq > s->cfg.max_seq)
+        return 6;
+    const int nt = s->n_threads; /* every parallel region below: num_threads(nt) */
+    (void)nt;
     const int C = c->hidden, H = c->n_heads, KVH = c->n_kv_heads, D = c->head_dim, F = c->ffn, L = c->n_layers;
     const int G = H / KVH, QKV = (H + 2 * KVH) * D, nbC = C / QK, nbF = F / QK;
     /* head row of (layer l, position p, head j) = lbase(l) + p * pstride + j */
@@ -734,17 +759,17 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             for (int j = 0; j < QK; j++) s->h[t * C + b * QK + j] = d * (float)((const int8_t *)e)[16 + 32 * (j / 4) + 4 * r + j % 4];
         }
     }
-    double prof_t = prof_on ? NOW() : 0.0;
+    double prof_t = s->prof_on ? NOW() : 0.0;
     for (int l = 0; l < L; l++) {
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++) {
             rmsnorm(s->xn + t * C, s->h + t * C, w->attn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
         TICK(P_OTHER);
-        matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0);
+        matmul3(s->qkv, QKV, w->wq[l], H * D, w->wk[l], KVH * D, w->wv[l], KVH * D, s->xq, nbC, T, 0, nt);
         TICK(P_QKV);
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++) { /* RoPE, then K/V into the int8 cache */
             const int pos = start + t;
             float *q = s->qkv + t * QKV;
@@ -764,7 +789,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         const size_t PG = (size_t)G * (D + 2);
         if (T == 1) { /* decode: chunks of all KV heads spread over the threads */
             const int n = start + 1, nch = (n + ACH - 1) / ACH;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
             for (int it = 0; it < KVH * nch; it++) {
                 const int kvh = it / nch, ch = it % nch, p0 = ch * ACH, p1 = p0 + ACH < n ? p0 + ACH : n;
                 attn_chunk(s->qkv + kvh * G * D, G, D, c->q_scale, kl + (size_t)kvh * D, sl + kvh, kl + (size_t)(KVH + kvh) * D,
@@ -772,11 +797,11 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             }
             for (int kvh = 0; kvh < KVH; kvh++) attn_merge(s->parts + (size_t)kvh * nch * PG, nch, G, D, s->att + kvh * G * D);
         } else {
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
             for (int it = 0; it < T * KVH; it++) {
                 const int t = it / KVH, kvh = it % KVH, n = start + t + 1, nch = (n + ACH - 1) / ACH;
 #ifdef _OPENMP
-                float *parts = s->parts + (size_t)omp_get_thread_num() * ((c->max_seq + ACH - 1) / ACH) * PG;
+                float *parts = s->parts + (size_t)omp_get_thread_num() * ((s->cfg.max_seq + ACH - 1) / ACH) * PG;
 #else
                 float *parts = s->parts;
 #endif
@@ -789,30 +814,30 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
             }
         }
         TICK(P_ATTN);
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++) quantize_q8(s->att + t * C, s->xq + t * nbC, C);
         TICK(P_OTHER);
-        matmul(s->xn, C, w->wo[l], C, s->xq, nbC, T, 0);
+        matmul(s->xn, C, w->wo[l], C, s->xq, nbC, T, 0, nt);
         TICK(P_O);
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++) {
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->xn[t * C + i];
             rmsnorm(s->xn + t * C, s->h + t * C, w->ffn_norm[l], C, c->norm_eps);
             quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
         }
         TICK(P_OTHER);
-        matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0);
+        matmul3(s->gu, 2 * F, w->wgate[l], F, w->wup[l], F, NULL, 0, s->xq, nbC, T, 0, nt);
         TICK(P_GATE_UP);
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++) {
             float *g = s->gu + (size_t)t * 2 * F, *a = s->xn + (size_t)t * F;
             swiglu(a, g, g + F, F);
             quantize_q8(a, s->xq + t * nbF, F);
         }
         TICK(P_OTHER);
-        matmul(s->att, C, w->wdown[l], C, s->xq, nbF, T, 0);
+        matmul(s->att, C, w->wdown[l], C, s->xq, nbF, T, 0, nt);
         TICK(P_DOWN);
-#pragma omp parallel for if (T > 1)
+#pragma omp parallel for if (T > 1) num_threads(nt)
         for (int t = 0; t < T; t++)
             for (int i = 0; i < C; i++) s->h[t * C + i] += s->att[t * C + i];
     }
@@ -823,7 +848,7 @@ int bt_forward(const bt_config *c, const bt_weights *w, void *scratch, const int
         quantize_q8(s->xn + t * C, s->xq + t * nbC, C);
     }
     TICK(P_OTHER);
-    matmul(logits, c->vocab, w->tok_embd, c->vocab, s->xq, nbC, NT, 1); /* tied output layer */
+    matmul(logits, c->vocab, w->tok_embd, c->vocab, s->xq, nbC, NT, 1, nt); /* tied output layer */
     TICK(P_LM_HEAD);
     return 0;
 }
@@ -836,14 +861,14 @@ double bt_read_bandwidth(size_t bytes, int n_threads, int passes) {
     if (!buf || bytes == 0) { free(buf); return 0.0; }
     memset(buf, 1, bytes);
 #ifdef _OPENMP
-    if (n_threads > 0) omp_set_num_threads(n_threads);
+    const int nt = n_threads > 0 ? n_threads : omp_get_max_threads(); /* <= 0: the OpenMP default */
 #endif
     double best = 0.0;
     volatile uint64_t sink = 0;
     for (int pass = 0; pass < passes; pass++) {
         const double t0 = NOW();
         uint64_t total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(nt)
         for (size_t i = 0; i < bytes / 64; i++) {
             uint64_t a, b;
             memcpy(&a, buf + 64 * i, 8);

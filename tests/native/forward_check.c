@@ -60,13 +60,15 @@ int main(int argc, char **argv) {
     const size_t kvn = (size_t)L * c.max_seq * 2 * c.n_kv_heads;
     int8_t *kv = calloc(kvn * D, 1);
     float *ks = calloc(kvn, sizeof(float)), *logits = malloc(sizeof(float) * (size_t)(T + 1) * c.vocab);
-    void *s = bt_scratch_new(&c, T);
-    int rc = bt_forward(&c, &w, s, ids, T, 0, kv, ks, logits, 0, 2);
-    if (!rc) rc = bt_forward(&c, &w, s, ids + T, 1, T, kv, ks, logits + (size_t)T * c.vocab, 0, 2);
+    void *s = bt_scratch_new(&c, T, 2);
+    if (!s) { fprintf(stderr, "bt_scratch_new failed\n"); return 1; }
+    int rc = bt_forward(&c, &w, s, ids, T, 0, kv, ks, logits, 0);
+    if (!rc) rc = bt_forward(&c, &w, s, ids + T, 1, T, kv, ks, logits + (size_t)T * c.vocab, 0);
     if (rc) { fprintf(stderr, "bt_forward failed: %d\n", rc); return 1; }
     FILE *f = fopen(argv[3], "wb");
     fwrite(logits, sizeof(float), (size_t)(T + 1) * c.vocab, f);
     fclose(f);
+    bt_scratch_free(s);
     printf("%s: ok\n", bt_simd());
     return 0;
 }

@@ -1,8 +1,25 @@
 /* Checks the SIMD matrix kernels of bt_native.c (AVX2 / NEON / NEON dotprod, whichever this build
- * selects) against plain scalar arithmetic on random blocks. Prints "N passed, M failed".
+ * selects) against plain scalar arithmetic on random blocks, and bt_scratch_new's argument checks and
+ * clean-up. Prints "N passed, M failed".
  * Built and run by tests/test_native_kernels.py: natively, and for aarch64 under qemu when a cross
  * compiler is installed. */
+#include <stdlib.h>
+
+/* bt_native.c's allocations go through these: live counts what is not yet freed, and fail_in > 0 makes
+ * the fail_in-th allocation from now return NULL (to check that bt_scratch_new frees what it had). */
+static long live, fail_in;
+static void *ck_take(void *p) { live += p != NULL; return p; }
+static int ck_fail(void) { return fail_in > 0 && --fail_in == 0; }
+static void *ck_malloc(size_t n) { return ck_fail() ? NULL : ck_take(malloc(n)); }
+static void *ck_calloc(size_t n, size_t m) { return ck_fail() ? NULL : ck_take(calloc(n, m)); }
+static void ck_free(void *p) { live -= p != NULL; free(p); }
+#define malloc ck_malloc
+#define calloc ck_calloc
+#define free ck_free
 #include "../../runtime/native/bt_native.c"
+#undef malloc
+#undef calloc
+#undef free
 #include <stdio.h>
 
 static float ref_q4_1(const uint8_t *w, const block_q8 *x, int nb) {
@@ -83,13 +100,13 @@ int main(void) {
     }
     interleave_q4_1(&w4[0][0], ROWS, NB, g4);
     interleave_q8_0(&w8[0][0], ROWS, NB, g8);
-    matmul(&y4[0][0], ROWS, g4, ROWS, x, NB, TOK, 0);
-    matmul(&y8[0][0], ROWS, g8, ROWS, x, NB, TOK, 1);
+    matmul(&y4[0][0], ROWS, g4, ROWS, x, NB, TOK, 0, 4);
+    matmul(&y8[0][0], ROWS, g8, ROWS, x, NB, TOK, 1, 4);
     for (int t = 0; t < TOK; t++) {
         /* one token alone (decode) must give the same bits as inside a tile (prefill) */
-        matmul(y1, ROWS, g4, ROWS, x + t * NB, NB, 1, 0);
+        matmul(y1, ROWS, g4, ROWS, x + t * NB, NB, 1, 0, 4);
         int same = !memcmp(y1, y4[t], sizeof y1);
-        matmul(y1, ROWS, g8, ROWS, x + t * NB, NB, 1, 1);
+        matmul(y1, ROWS, g8, ROWS, x + t * NB, NB, 1, 1, 3);
         same &= !memcmp(y1, y8[t], sizeof y1);
         if (!same) fprintf(stderr, "token %d: alone differs from in a tile\n", t);
         passed += same;
@@ -188,6 +205,41 @@ int main(void) {
     int okz = hs == KV_SCALE_FLOOR && hq[0] == 0;
     passed += okz;
     failed += !okz;
+    /* bt_scratch_new: thread counts below 1 and bad shapes are refused; 200 threads get 200 attention slots */
+    {
+        const bt_config c = {2, 64, 4, 2, 16, 96, 40, 70, 1e-5f, 0.25f, 1};
+        bt_config bad = c;
+        bad.n_kv_heads = 3; /* 4 query heads cannot share 3 KV heads */
+        int ok = !bt_scratch_new(&c, 4, 0) && !bt_scratch_new(&c, 4, -1) && !bt_scratch_new(&c, 0, 2) &&
+                 !bt_scratch_new(&bad, 4, 2) && !bt_scratch_new(NULL, 4, 2) && live == 0;
+        bt_scratch *s = (bt_scratch *)bt_scratch_new(&c, 4, 200);
+        ok &= s && s->n_threads == 200;
+        if (s) { /* the last slot of the last chunk is writable: (200 slots x 3 chunks - 1) x G x (D + 2) onward */
+            const size_t last = ((size_t)200 * ((70 + ACH - 1) / ACH) - 1) * 2 * (16 + 2);
+            for (size_t i = 0; i < 2 * (16 + 2); i++) s->parts[last + i] = 1.f;
+        }
+        bt_scratch_free(s);
+        if (!ok) fprintf(stderr, "bt_scratch_new: argument checks failed\n");
+        passed += ok;
+        failed += !ok;
+        /* a failed allocation, at each of its 8 allocations in turn, returns NULL and leaks nothing */
+        for (int k = 1; k <= 8; k++) {
+            fail_in = k;
+            void *f = bt_scratch_new(&c, 4, 3);
+            fail_in = 0;
+            const int clean = !f && live == 0;
+            if (!clean) fprintf(stderr, "bt_scratch_new with allocation %d failing: %s, %ld blocks left\n", k,
+                                f ? "not NULL" : "NULL", live);
+            bt_scratch_free(f);
+            passed += clean;
+            failed += !clean;
+        }
+        void *f = bt_scratch_new(&c, 4, 3); /* and nothing is left once a good one is freed */
+        bt_scratch_free(f);
+        const int clean = f && live == 0;
+        passed += clean;
+        failed += !clean;
+    }
     printf("%s: %d passed, %d failed\n", bt_simd(), passed, failed);
     return failed != 0;
 }
