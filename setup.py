@@ -1,6 +1,11 @@
 from setuptools import setup
 
-CORE = ["numpy>=1.26", "onnxruntime>=1.20", "onnx>=1.17", "gguf>=0.17", "regex>=2023.0", "pyyaml>=6", "jinja2>=3.1"]
+# The board needs only the runtime: load an artifact, run it, stream text (jinja2 renders the chat template).
+RUNTIME = ["numpy>=1.26", "regex>=2023.0", "pyyaml>=6", "jinja2>=3.1"]
+ONNXRUNTIME = ["onnxruntime>=1.20"]  # the portable backend (and the build's graph optimizer)
+SIGN = ["cryptography>=42"]  # Ed25519 signed artifacts: signing at build, checking on boards that trust a key
+# Building artifacts (GGUF reading, ONNX export) happens on a laptop or the dev host, never on the board.
+BUILD = ["onnx>=1.17", "gguf>=0.17", *ONNXRUNTIME, *SIGN]
 
 setup(
     name="boardtalk",
@@ -11,9 +16,12 @@ setup(
     # The native kernels' source ships with the runtime; the artifact builder (models/native_build.py)
     # compiles it for the artifact's board and the artifact carries the library. Nothing compiles at install.
     package_data={"runtime.native": ["*.c"]},
-    install_requires=CORE,
+    install_requires=RUNTIME,
     extras_require={
-        "dev": ["pytest>=7", "psutil>=5", "tokenizers>=0.20"],  # tokenizers: the reference the tests compare with
+        "onnxruntime": ONNXRUNTIME,
+        "sign": SIGN,
+        "build": BUILD,
+        "dev": [*BUILD, "pytest>=7", "psutil>=5", "tokenizers>=0.20"],  # tokenizers: the reference tests compare with
         "tvm": ["apache-tvm==0.27.*"],
         "voice": ["sounddevice", "faster-whisper", "piper-tts"],
         # llama.cpp as the comparison peer; compiles from source (~20 min on 2 cores)
