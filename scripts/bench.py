@@ -82,42 +82,42 @@ def worker_ours(args) -> dict:
     t0 = time.perf_counter()
     m = runtime.load(args.artifact, threads=args.threads, max_context=1024)
     load_s = time.perf_counter() - t0
+    s = m.session  # the benchmark drives one session through its named steps
     p64, p256, p512, sys_ids, turn_ids = _read_prompts(args)
     out = {"load_s": [load_s], "ttft64_ms": [], "ttft256_ms": [], "voice_ms": [], "decode_tps": []}
     for _ in range(args.reps):
         for key, p in (("ttft64_ms", p64), ("ttft256_ms", p256)):
-            m.reset()
+            s.reset()
             t = time.perf_counter()
-            _argmax(m.prefill(p))
+            _argmax(s.prefill(p))
             out[key].append((time.perf_counter() - t) * 1e3)
-        m.reset()
-        m.prefill(sys_ids)
-        m.cache.rewind_to(len(sys_ids))
+        s.reset()
+        s.prefill(sys_ids)
         t = time.perf_counter()
-        n = m.cache.common_prefix(turn_ids)
-        m.cache.rewind_to(n)
-        _argmax(m.prefill(turn_ids[n:]))
+        n = s.cache.common_prefix(turn_ids)
+        s.rewind_to(n)
+        _argmax(s.prefill(turn_ids[n:]))
         out["voice_ms"].append((time.perf_counter() - t) * 1e3)
         out["voice_new_tokens"] = len(turn_ids) - n
-        m.reset()
-        tok = _argmax(m.prefill(p64))
+        s.reset()
+        tok = _argmax(s.prefill(p64))
         t = time.perf_counter()
         for _ in range(128):
-            tok = _argmax(m.decode_step(tok))
+            tok = _argmax(s.decode_step(tok))
         out["decode_tps"].append(128 / (time.perf_counter() - t))
     out["rss_mib"] = _peak_rss_mib()  # before perplexity, as for llama.cpp
-    if hasattr(m.backend, "profile"):  # where the time goes: one more pass of each, with the phase timers on
-        m.reset()
-        m.backend.profile(True)
-        tok = _argmax(m.prefill(p64))
-        out["profile_prefill64_ms"] = {k: v * 1e3 for k, v in m.backend.profile(True).items()}
+    if hasattr(s.cache, "profile"):  # where the time goes: one more pass of each, with the session's timers on
+        s.reset()
+        s.cache.profile(True)
+        tok = _argmax(s.prefill(p64))
+        out["profile_prefill64_ms"] = {k: v * 1e3 for k, v in s.cache.profile(True).items()}
         for _ in range(128):
-            tok = _argmax(m.decode_step(tok))
-        out["profile_decode_ms"] = {k: v * 1e3 / 128 for k, v in m.backend.profile(False).items()}
-    ppl, n = m.perplexity(p512)
+            tok = _argmax(s.decode_step(tok))
+        out["profile_decode_ms"] = {k: v * 1e3 / 128 for k, v in s.cache.profile(False).items()}
+    ppl, n = s.perplexity(p512)
     out["ppl"] = ppl
     out["ppl_tokens"] = n
-    out["kv_bytes_per_pos"] = m.cache.bytes_per_position
+    out["kv_bytes_per_pos"] = s.cache.bytes_per_position
     return out
 
 
@@ -192,14 +192,15 @@ def _run_worker(which: str, args) -> dict | None:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _bandwidth(threads: int) -> float:
-    """Streaming read GB/s of this machine with these threads (0 when the native kernels are not built)."""
-    try:
-        from runtime.native import library
+def _bandwidth(artifact: str, threads: int) -> float:
+    """Streaming read GB/s of this machine with these threads, measured by the artifact's own kernel
+    library (0 for an artifact without one)."""
+    from runtime.artifact import load_manifest, open_artifact
+    from runtime.native import read_bandwidth
 
-        return library().bt_read_bandwidth(256 << 20, threads, 5)
-    except (ImportError, OSError):
-        return 0.0
+    art = open_artifact(artifact)
+    m = load_manifest(art)
+    return read_bandwidth(art / m.kernels.file, threads) if m.kernels else 0.0
 
 
 def _stat(xs):
@@ -241,11 +242,14 @@ def main() -> int:
 
     if not args.artifact:
         args.artifact = runtime.default_artifact()
-        if not (Path(args.artifact) / "manifest.yaml").exists():
+        try:
+            runtime.load(args.artifact).close()
+        except runtime.ArtifactError as e:  # missing, damaged or of an older format: (re)build it
             import boards
             from models.build import build_artifact
 
-            build_artifact("smollm2-135m-instruct", args.artifact, board=boards.detect().name,
+            print(f"building the default artifact ({e})", file=sys.stderr)
+            build_artifact(runtime.DEFAULT_MODEL, args.artifact, board=boards.detect().name,
                            backend=runtime.default_backend())
     m = runtime.load(args.artifact)
     args.gguf = args.gguf or str(resolve_gguf(m.manifest.source["registry_name"]))
@@ -260,7 +264,7 @@ def main() -> int:
         except ImportError:
             print("llama-cpp-python not installed (pip install -e .[bench]); measuring boardtalk only", file=sys.stderr)
             have_llama = False
-    bandwidth = _bandwidth(args.threads)
+    bandwidth = _bandwidth(args.artifact, args.threads)
     runs: dict[str, list[dict]] = {"ours": [], "llama": []}
     for r in range(args.rounds):
         for which in ("ours", "llama") if have_llama else ("ours",):
@@ -269,7 +273,8 @@ def main() -> int:
             if res:
                 runs[which].append(res)
     os.unlink(args.ids)
-    bandwidth = max(bandwidth, _bandwidth(args.threads))  # best of before and after: the machine is shared
+    # best of before and after: the machine is shared
+    bandwidth = max(bandwidth, _bandwidth(args.artifact, args.threads))
     if not runs["ours"]:
         return 1
 

@@ -14,6 +14,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (run on the GPU machine)")
     config.addinivalue_line("markers", "board: needs a real Pi 5 / Jetson board")
     config.addinivalue_line("markers", "kernels: compiles C (host, and aarch64 cross + qemu-user)")
+    config.addinivalue_line("markers", "install: makes a fresh venv and pip-installs the package (PyPI or pip's cache)")
 
 
 @pytest.fixture(scope="session")
