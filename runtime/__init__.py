@@ -53,7 +53,7 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     """
     import boards
 
-    from .artifact import FileVerifier, load_manifest, open_artifact
+    from .artifact import FileVerifier, load_manifest, open_artifact, read_manifest_bytes
     from .backends import open_backend
     from .tokenizer import Tokenizer
 
@@ -64,8 +64,9 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
                                     or max_context < 2):
         raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     art = open_artifact(artifact_dir)
-    _check_signature(art, trusted_keys)
-    m = load_manifest(art, verify_files=False)
+    data = read_manifest_bytes(art)
+    _check_signature(art, data, trusted_keys)
+    m = load_manifest(art, verify_files=False, data=data)
     profile = boards.get(board) if board else boards.detect()
     if m.target.board != profile.name:
         raise BoardMismatch(f"artifact {art} was built for board '{m.target.board}' ({m.target.triple}), "
@@ -92,17 +93,19 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     return model
 
 
-def _check_signature(art: Path, trusted_keys) -> None:
-    """With trusted keys configured, only a manifest signed by one of them loads (fleets: runtime/signing.py)."""
+def _check_signature(art: Path, data: bytes, trusted_keys) -> None:
+    """With trusted keys configured, only a manifest signed by one of them loads (fleets: runtime/signing.py).
+    trusted_keys: runtime.signing.PublicKey objects or key file paths; None = the board's configuration."""
     from . import signing
 
-    keys = signing.trusted_keys() if trusted_keys is None else list(trusted_keys)
-    if keys:
-        try:
-            key_id = signing.verify_manifest(art, keys)
-        except signing.SignatureError as e:
-            raise ArtifactError(str(e)) from None
-        log.info("manifest signed by trusted key %s", key_id)
+    try:
+        keys = None
+        if trusted_keys is not None:
+            keys = [k for t in trusted_keys
+                    for k in ([t] if isinstance(t, signing.PublicKey) else signing.load_public_keys(t))]
+        signing.check_artifact(art, data, keys)
+    except signing.SignatureError as e:
+        raise ArtifactError(str(e)) from None
 
 
 def _release_freed_memory() -> None:

@@ -7,13 +7,10 @@ must never be loaded, so there is no "skip verification" switch.)
 """
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
-import shutil
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,30 +249,42 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 
 def open_artifact(path: str | Path) -> Path:
-    """The artifact directory; a .tar / .tar.gz is unpacked (safely) to a temporary directory first."""
+    """The artifact directory; a .tar / .tar.gz is unpacked once into the cache (runtime/store.py checks its
+    members against its manifest from the headers alone, before extracting anything)."""
     path = Path(path)
     if path.is_file() and tarfile.is_tarfile(path):
-        dest = Path(tempfile.mkdtemp(prefix="boardtalk-artifact-"))
-        atexit.register(shutil.rmtree, dest, True)  # the unpacked copy lives as long as this process
-        with tarfile.open(path) as tf:
-            tf.extractall(dest, filter="data")
-        subdirs = [p for p in dest.iterdir() if p.is_dir()]
-        return subdirs[0] if not (dest / MANIFEST).exists() and len(subdirs) == 1 else dest
+        from .store import StoreError, unpack_tarball
+
+        try:
+            return unpack_tarball(path)
+        except StoreError as e:
+            raise ArtifactError(str(e)) from None
     if not path.is_dir():
         raise ArtifactError(f"artifact not found: {path} (expected a directory with {MANIFEST}, or a tarball of one)")
     return path
 
 
-def load_manifest(art_dir: Path, verify_files: bool = True) -> Manifest:
-    import yaml
-
+def read_manifest_bytes(art_dir: Path) -> bytes:
     mpath = art_dir / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{art_dir}: no {MANIFEST}; is this a boardtalk artifact?")
+    data = mpath.read_bytes()
+    if len(data) > 1 << 20:
+        raise ArtifactError(f"{mpath}: {len(data)} bytes is too large for a manifest")
+    return data
+
+
+def load_manifest(art_dir: Path, verify_files: bool = True, data: bytes | None = None) -> Manifest:
+    """Parse (and optionally verify the files of) an artifact's manifest; ``data``: its bytes as already
+    read (the loader reads them once, checks their signature, then parses exactly those)."""
+    import yaml
+
+    if data is None:
+        data = read_manifest_bytes(art_dir)
     try:
-        raw = yaml.safe_load(mpath.read_text(encoding="utf-8"))
+        raw = yaml.safe_load(data.decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mpath}: not valid YAML ({e})") from e
+        raise ArtifactError(f"{art_dir / MANIFEST}: not valid YAML ({str(e).splitlines()[0]})") from None
     m = parse_manifest(raw)
     if verify_files:
         verify_files_of(art_dir, m)
