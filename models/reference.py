@@ -45,8 +45,9 @@ class Reference:
         for name in model.tensors:
             self.w[name] = np.asarray(model.dequantized(name), np.float64)
 
-    def forward(self, ids, kv_int8: bool = True) -> np.ndarray:
-        """Logits (T, vocab) float64 for every position of one sequence starting at position 0."""
+    def forward(self, ids, kv_int8: bool = True, kv_out: list | None = None) -> np.ndarray:
+        """Logits (T, vocab) float64 for every position of one sequence starting at position 0.
+        kv_out: a list that receives each layer's (k, v) (T, KVH, D) float64 before the int8 round trip."""
         cfg, w = self.cfg, self.w
         ids = np.asarray(ids, np.int64)
         T, H, KVH, D = len(ids), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -59,6 +60,8 @@ class Reference:
             k = (x @ w[layer_tensor(i, "attn_k")].T).reshape(T, KVH, D)
             v = (x @ w[layer_tensor(i, "attn_v")].T).reshape(T, KVH, D)
             q, k = _rope(q, pos, cfg.rope_base), _rope(k, pos, cfg.rope_base)
+            if kv_out is not None:
+                kv_out.append((k, v))
             if kv_int8:
                 k, v = kv_roundtrip(k), kv_roundtrip(v)
             kr = np.repeat(k, cfg.group, axis=1)  # (T, H, D): head h uses kv head h // group

@@ -34,8 +34,36 @@ def test_tiny_graph_matches_reference(tiny_gguf, tmp_path_factory, board_name, b
     ref = Reference(read_gguf(tiny_gguf)).forward(ids)
     assert got.shape == ref.shape == (len(ids), model.vocab)
     err, agree = np.abs(got - ref).max(), (got.argmax(-1) == ref.argmax(-1)).mean()
-    print(f"tiny {backend} acc {acc}: max {err:.4g} top1 {agree:.3f}")
+    mean = np.abs(got - ref).mean() / np.abs(ref).mean()
+    print(f"tiny {backend} acc {acc}: max {err:.4g} mean {mean:.4g} (relative) top1 {agree:.3f}")
     assert err < max_abs and agree >= top1
+    assert mean < (1e-5 if acc == 0 else 0.05)  # mean error relative to the mean logit magnitude
+
+
+@pytest.mark.parametrize("backend,acc", [("onnxruntime", 0), ("onnxruntime", 4), ("native", 4)])
+def test_runtime_kv_quantizer_matches_the_float_reference(tiny_gguf, tmp_path_factory, board_name, backend, acc):
+    """The runtime's own int8 KV codes (written by the C kernels / inside the ONNX graph), checked against
+    float64 K/V: every row's absmax code is +-127, codes stay in [-127, 127], and each dequantized value is
+    within half a step of the float reference (fp32 graph), or close to it (int8 activations)."""
+    model = _load(tiny_gguf, tmp_path_factory, board_name, acc, f"tiny-{backend}{acc}", backend)
+    ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    model.reset()
+    model.prefill(ids)
+    ref = []
+    Reference(read_gguf(tiny_gguf)).forward(ids, kv_out=ref)
+    c, kvh, T = model.cache, model.config.n_kv_heads, len(ids)
+    for layer, (k, v) in enumerate(ref):
+        q = c.kv[layer, :T] if c.layer_major else c.kv[:T, layer]
+        s = (c.scale[layer, :T] if c.layer_major else c.scale[:T, layer]).astype(np.float64)
+        assert np.abs(q.astype(np.int32)).max() <= 127 and np.all(np.abs(q.astype(np.int32)).max(-1) == 127)
+        want = np.concatenate([k, v], axis=1)  # (T, 2*KVH, D): K heads then V heads
+        err = np.abs(q * s - want)
+        if acc == 0:
+            assert np.all(err <= s / 2 * 1.001 + 1e-5), (layer, err.max())
+        else:  # int8 activations move the float values before they are coded: only a small relative error
+            rel = np.sqrt((err**2).mean() / (want**2).mean())
+            print(f"{backend} layer {layer}: relative RMS error {rel:.4f}")
+            assert rel < 0.03, (layer, rel)
 
 
 def test_decode_steps_match_prefill(tiny_model):
