@@ -1,17 +1,96 @@
-"""``boardtalk``: build artifacts, generate, chat, measure perplexity.
+"""``boardtalk``: build and sign artifacts, generate, chat, measure perplexity.
 
-Without --artifact, generate/chat/perplexity use (and on first use build) the default
-model's artifact for this board under the cache dir ($BOARDTALK_CACHE or ~/.cache/boardtalk).
+This file only parses options, calls the runtime (and, for ``build``, models/) and prints:
+generated text on stdout, progress, notes and stats on stderr.
+
+Without --artifact, generate/chat/perplexity use the default model's artifact for this board under
+the cache dir ($BOARDTALK_CACHE or ~/.cache/boardtalk). It is built on first use under the
+artifact's build lock (two first runs at once build it once: the second waits and reuses it), and
+rebuilt once when it no longer loads (damaged, tampered with, an older format). An artifact given
+with --artifact is never rebuilt; the error says how to rebuild it.
+
+models/ (the build side) may be absent on a board: it is imported only by ``build`` and by the
+first-use build of the default artifact; everything else runs without it.
+
+Exit status: 0 done; 2 a user error: one line ``boardtalk: error: ...`` on stderr, never a
+traceback (-vv logs it at DEBUG); 130 Ctrl-C (``boardtalk: interrupted``); 141 stdout was closed
+early (``| head``): silent, the status of a program killed by SIGPIPE as cat or grep are, so a
+pipeline with ``set -o pipefail`` can still tell that the output was cut short.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
+import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+BUILD_EXTRA = "boardtalk build needs the build extra: pip install 'boardtalk[build]'"
+MANIFEST = "manifest.yaml"
+
+
+class CliError(Exception):
+    """A user error; its message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Option types: bad values are refused at parse time with one line naming the option
+
+def _int_in(lo: int, hi: int | None = None):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be an integer {want}, got {v}")
+        return v
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            want = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"must be a finite number in {want}, got {s}")
+        return v
+
+    return parse
+
+
+def _nonempty(s: str) -> str:
+    if not s:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return s
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (argparse would print the whole multi-line usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output helpers
 
 def _progress(i: int, n: int, what: str) -> None:
     width = 30
@@ -20,94 +99,216 @@ def _progress(i: int, n: int, what: str) -> None:
           flush=True)
 
 
-def _artifact(args) -> Path:
-    import runtime
-
-    if args.artifact:
-        return Path(args.artifact)
-    import boards
-
-    board = args.board or boards.detect().name
-    backend = runtime.default_backend()
-    path = runtime.default_artifact(board=board, backend=backend)
-    stale = _stale(path)
-    if stale or not (path / "manifest.yaml").exists():
-        from models.build import build_artifact
-        from models.sources import DEFAULT_MODEL
-
-        why = f"{stale}; rebuilding" if stale else "no artifact yet; building"
-        print(f"boardtalk: {why} the default one ({backend}) at {path} (once)", file=sys.stderr)
-        build_artifact(DEFAULT_MODEL, path, board=board, backend=backend, progress=_progress)
-    return path
+def _stats_line(st) -> str:
+    finish = {"context": "context full", "stop_string": "stop string"}.get(st.finish_reason, st.finish_reason)
+    return (f"[{st.prompt_tokens} prompt tokens ({st.reused_tokens} cached), {st.new_tokens} new; "
+            f"first token {st.ttft_s * 1e3:.0f} ms, {st.decode_tokens_per_s:.1f} tok/s; {finish}]")
 
 
-def _stale(path: Path) -> str | None:
-    """Why the cached default artifact cannot be read by this boardtalk (an older format), or None."""
-    from runtime.artifact import FORMAT_VERSION
-
+def _read_text(path: str, option: str) -> str:
     try:
-        import yaml
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"cannot read {option} {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CliError(f"{option} {path} is not UTF-8 text (byte {e.start})") from e
 
-        version = yaml.safe_load((path / "manifest.yaml").read_text(encoding="utf-8")).get("format_version")
-    except (OSError, AttributeError, ValueError, ImportError):
-        return None  # missing (built below) or damaged (loading reports it)
-    if version != FORMAT_VERSION:
-        return f"the default artifact has format {version}, this boardtalk reads {FORMAT_VERSION}"
-    return None
+
+# ---------------------------------------------------------------------------------------------
+# Loading: trusted keys, the user's artifact, the default artifact
+
+def _trusted_keys(args):
+    """Keys from --trusted-keys, or None: runtime.load then uses $BOARDTALK_TRUSTED_KEYS or /etc/boardtalk."""
+    if not args.trusted_keys:
+        return None
+    from runtime.signing import KEY_TAG, load_public_keys
+
+    keys = load_public_keys(args.trusted_keys)
+    if not keys:
+        raise CliError(f"--trusted-keys {args.trusted_keys} holds no '{KEY_TAG}' key")
+    return keys
 
 
 def _load(args):
     import runtime
 
-    return runtime.load(_artifact(args), threads=args.threads, board=args.board, max_context=args.max_context)
+    kw = dict(threads=args.threads, board=args.board, max_context=args.max_context, trusted_keys=_trusted_keys(args))
+    if not args.artifact:
+        return _load_default(args, kw)
+    try:
+        return runtime.load(args.artifact, **kw)
+    except runtime.ArtifactError as e:  # never rebuilt: it is the user's; say how
+        raise CliError(f"{e}{_rebuild_hint(Path(args.artifact), args.board)}") from e
 
+
+def _signature_failure(e: Exception) -> bool:
+    """runtime.load reports a signature check as ArtifactError raised from a SignatureError."""
+    from runtime.signing import SignatureError
+
+    return isinstance(e.__context__, SignatureError)
+
+
+def _rebuild_hint(path: Path, board: str | None) -> str:
+    """'; to rebuild it: boardtalk build ...' with what the manifest still says (model, backend)."""
+    import boards
+    import runtime
+
+    if path.is_file() or (path.exists() and not path.is_dir()):
+        return ""  # a tarball: it is rebuilt and packed where it was made
+    model, backend = runtime.DEFAULT_MODEL, runtime.default_backend()
+    try:
+        import yaml
+
+        d = yaml.safe_load((path / MANIFEST).read_text(encoding="utf-8"))
+        model = str(d["model"]["source"].get("registry_name") or model)
+        backend = d["backend"] if d["backend"] in runtime.BACKENDS else backend
+    except Exception:  # noqa: BLE001 - a damaged manifest: the defaults are the best guess
+        pass
+    try:
+        board = board or boards.detect().name
+    except ValueError:
+        board = "host"
+    cmd = (f"boardtalk build --model {shlex.quote(model)} --backend {backend} --board {board} "
+           f"--out {shlex.quote(str(path))}")
+    return f"; to {'rebuild it' if path.exists() else 'build one'}: {cmd}"
+
+
+def _stamp(path: Path):
+    """Identity of the artifact's manifest file (a build installs a new one), or None."""
+    try:
+        s = (path / MANIFEST).stat()
+    except OSError:
+        return None
+    return s.st_ino, s.st_mtime_ns, s.st_size
+
+
+def _stale(path: Path) -> str | None:
+    """Why the cached default artifact cannot be read by this boardtalk (an older format), or None."""
+    import yaml
+
+    from runtime.artifact import FORMAT_VERSION
+
+    try:
+        version = yaml.safe_load((path / MANIFEST).read_text(encoding="utf-8")).get("format_version")
+    except (OSError, AttributeError, ValueError, yaml.YAMLError):
+        return None  # missing (built below) or damaged (loading reports it, then it is rebuilt)
+    if version != FORMAT_VERSION:
+        return f"the default artifact has format {version}, this boardtalk reads {FORMAT_VERSION}"
+    return None
+
+
+def _load_default(args, kw):
+    import boards
+    import runtime
+
+    board = args.board or boards.detect().name
+    backend = runtime.default_backend()
+    path = runtime.default_artifact(board=board, backend=backend)
+    seen = _stamp(path)
+    why = "no artifact yet" if seen is None else _stale(path)
+    if why:
+        _build_default(path, board, backend, why, seen)
+        seen = _stamp(path)
+    try:
+        return runtime.load(path, **kw)
+    except runtime.ArtifactError as e:
+        if _signature_failure(e):  # a rebuild is unsigned too: it would not help
+            raise CliError(f"{e}; the default artifact is built unsigned: build and sign one with 'boardtalk build "
+                           f"--sign-key KEY --out DIR' and run with --artifact DIR") from e
+        if why:  # just built (here or by another run): a second build would fail the same way
+            raise
+        _build_default(path, board, backend, f"the default artifact does not load ({e})", seen)
+    return runtime.load(path, **kw)  # once: an error now is reported as it is
+
+
+def _build_default(path: Path, board: str, backend: str, why: str, seen) -> None:
+    """Build the default artifact, once: under its build lock, a run that waited while another built
+    it (the manifest changed since ``seen``) uses that build."""
+    import runtime
+    from runtime.store import build_lock
+
+    try:
+        from models.build import build_artifact
+    except ImportError as e:
+        log.debug("models/ is not importable", exc_info=True)
+        raise CliError(f"{why}; building it needs the build extra: pip install 'boardtalk[build]' "
+                       "(or pass --artifact DIR)") from e
+    with build_lock(path):
+        if _stamp(path) != seen and _stale(path) is None:
+            log.info("the default artifact %s was built by another run meanwhile", path)
+            return
+        print(f"boardtalk: {why}; building the default one ({runtime.DEFAULT_MODEL}, {backend}) at {path} (once)",
+              file=sys.stderr)
+        build_artifact(runtime.DEFAULT_MODEL, path, board=board, backend=backend, progress=_progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
 
 def _config(args):
     import runtime
 
     return runtime.GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                    stop_strings=tuple(args.stop or ()))
+                                    stop_strings=tuple(args.stop or ()),
+                                    truncate_prompt=getattr(args, "truncate_prompt", False))
 
 
 def cmd_build(args) -> int:
-    from models.build import build_artifact
-    from models.sources import MODELS
-
+    if _build_registries() is None:
+        raise CliError(BUILD_EXTRA)
+    try:
+        from models.build import build_artifact
+        from models.sources import MODELS
+    except ImportError as e:
+        log.debug("models/ is not importable", exc_info=True)
+        raise CliError(BUILD_EXTRA) from e
     import boards
+    import runtime
 
-    args.board = args.board or boards.detect().name
-    out = Path(args.out) if args.out else None
-    if out is None:
-        import runtime
-
-        out = runtime.default_artifact(args.model if args.model in MODELS else Path(args.model).stem, args.board,
-                                       args.backend)
-    print(f"building {args.model} for {args.board} ({args.backend}, {args.scheme}) -> {out}", file=sys.stderr)
+    board = args.board or boards.detect().name
+    out = Path(args.out) if args.out else runtime.default_artifact(
+        args.model if args.model in MODELS else Path(args.model).stem, board, args.backend)
+    print(f"building {args.model} for {board} ({args.backend}, {args.scheme}) -> {out}", file=sys.stderr)
     t0 = time.monotonic()
-    manifest, report = build_artifact(args.model, out, board=args.board, backend=args.backend, scheme=args.scheme,
+    manifest, report = build_artifact(args.model, out, board=board, backend=args.backend, scheme=args.scheme,
                                       embedding=args.embedding, accuracy_level=args.accuracy_level,
-                                      max_context=args.max_context, progress=_progress)
+                                      max_context=args.max_context, progress=_progress, sign_key=args.sign_key)
     size = sum(f["size"] for f in manifest.files.values())
-    print(f"done in {time.monotonic() - t0:.1f} s: {size / 2**20:.1f} MiB, {report.n_nodes} graph nodes; "
-          f"worst weight error {report.worst_max_abs:.3g} ({report.worst_tensor or '-'}), "
-          f"lm_head error {report.errors['lm_head'].max_abs:.3g}")
+    signed = f"; signed with {args.sign_key}" if args.sign_key else ""
+    print(f"done in {time.monotonic() - t0:.1f} s: {size / 2**20:.1f} MiB; {report.summary()}{signed}",
+          file=sys.stderr)
     print(out)
     return 0
 
 
-def cmd_generate(args) -> int:
-    model = _load(args)
-    if args.prompt_file:
-        text = Path(args.prompt_file).read_text(encoding="utf-8")
-    else:
-        text = args.prompt
-    if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+def _prompt_ids(model, text: str, args) -> list[int]:
+    msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+    if args.truncate_prompt:  # the session keeps the newest tokens (and logs it)
+        return model.chat_ids(msgs) if args.chat else model.tokenizer.encode(text)
+    room = model.max_context - 1  # at least one position to generate into
+    ids = model.tokenizer.encode(text, limit=model.max_context)  # stops early on a prompt that cannot fit
+    if args.chat and len(ids) <= room:
         ids = model.chat_ids(msgs)
-    else:
-        ids = model.tokenizer.encode(text)
+    if len(ids) > room:
+        n = f"more than {model.max_context}" if len(ids) > model.max_context else str(len(ids))
+        more = (f", raise --max-context (this artifact allows {model.manifest.max_context})"
+                if model.max_context < model.manifest.max_context else "")
+        raise CliError(f"the prompt is {n} tokens{' with the chat template' if args.chat else ''}; the context holds "
+                       f"{model.max_context} with room for the reply; shorten it{more}, or pass --truncate-prompt "
+                       "to keep only its newest tokens")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    if args.system is not None and not args.chat:
+        raise CliError("--system needs --chat (a system message is part of the chat template)")
+    text = _read_text(args.prompt_file, "--prompt-file") if args.prompt_file is not None else args.prompt
+    if not text:
+        raise CliError("the prompt is empty" + (f" ({args.prompt_file} has no text)" if args.prompt_file else ""))
     cfg = _config(args)
+    model = _load(args)
+    ids = _prompt_ids(model, text, args)
     out = []
     for delta in model.stream(ids, cfg):
         out.append(delta)
@@ -118,53 +319,87 @@ def cmd_generate(args) -> int:
         print(json.dumps({"prompt_ids": ids, "token_ids": st.token_ids, "text": "".join(out),
                           "ttft_ms": round(st.ttft_s * 1e3, 2), "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
                           "prompt_tokens": st.prompt_tokens, "new_tokens": st.new_tokens,
-                          "finish_reason": st.finish_reason}, ensure_ascii=False))
+                          "finish_reason": st.finish_reason}, ensure_ascii=False), flush=True)
     else:
-        print()
-        print(f"[{st.prompt_tokens} prompt tokens, {st.new_tokens} new; first token {st.ttft_s * 1e3:.0f} ms, "
-              f"{st.decode_tokens_per_s:.1f} tok/s; {st.finish_reason}]", file=sys.stderr)
+        print(flush=True)
+        print(_stats_line(st), file=sys.stderr)
     return 0
 
 
-def cmd_chat(args) -> int:
+@contextlib.contextmanager
+def _ctrl_c_cancels(cancel):
+    """While a reply streams, Ctrl-C only sets ``cancel``: generation ends within one step, the reply so
+    far is kept and the session stays usable. The previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
+
+
+def _chat_turn(model, history: list[dict], first: int, cfg) -> list[dict]:
+    """One reply to history (which ends with the user's message); returns the history to keep.
+    first: how many leading messages are the system prompt (always kept)."""
     import runtime
 
-    model = _load(args)
+    cancel = runtime.CancelToken()
+    try:
+        deltas = model.chat(history, cfg, cancel)
+    except runtime.ContextOverflow as e:
+        print(f"[{e}; message not sent]", file=sys.stderr)
+        return history[:-1]
+    k = model.last_stats.dropped_messages
+    if k:  # the model no longer sees them: neither does the next turn
+        history = history[:first] + history[first + k :]
+        print(f"[context full: left out the {k} oldest message{'s' if k != 1 else ''}]", file=sys.stderr)
+    reply = []
+    with _ctrl_c_cancels(cancel):
+        for delta in deltas:
+            reply.append(delta)
+            print(delta, end="", flush=True)
+    print(flush=True)
+    print(_stats_line(model.last_stats), file=sys.stderr)
+    return history + [{"role": "assistant", "content": "".join(reply)}]
+
+
+def cmd_chat(args) -> int:
     cfg = _config(args)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    if history:
-        model.warm_prefix(history)
-    print("boardtalk chat: type a message, empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    model = _load(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if system:
+        model.warm_prefix(system)
+    history = list(system)
+    print("boardtalk chat: type a message; Ctrl-C stops a reply, /reset starts over, an empty line or Ctrl-D quits.",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:  # Ctrl-D; Ctrl-C here is KeyboardInterrupt: "interrupted", 130
             print(file=sys.stderr)
             return 0
         if not line.strip():
             return 0
         if line.strip() == "/reset":
-            history = history[:1] if args.system else []
+            history = list(system)
+            print("[conversation reset]", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": line})
-        cancel = runtime.CancelToken()
-        reply = []
-        try:
-            for delta in model.chat(history, cfg, cancel):
-                reply.append(delta)
-                print(delta, end="", flush=True)
-        except KeyboardInterrupt:
-            cancel.cancel()
-        st = model.last_stats
-        print(f"\n[{st.ttft_s * 1e3:.0f} ms to first token, {st.decode_tokens_per_s:.1f} tok/s, "
-              f"{st.reused_tokens} cached]", file=sys.stderr)
-        history.append({"role": "assistant", "content": "".join(reply)})
+        history = _chat_turn(model, history + [{"role": "user", "content": line}], len(system), cfg)
 
 
 def cmd_perplexity(args) -> int:
+    text = _read_text(args.text_file, "--text-file")
+    if not text:
+        raise CliError(f"--text-file {args.text_file} is empty")
     model = _load(args)
-    text = Path(args.text_file).read_text(encoding="utf-8")
-    ids = model.tokenizer.encode(text)[: args.max_tokens]
+    if args.max_tokens > model.max_context:
+        raise CliError(f"--max-tokens {args.max_tokens} exceeds the context of {model.max_context} positions; "
+                       f"use --max-tokens {model.max_context} or less")
+    ids = model.tokenizer.encode(text, limit=args.max_tokens)[: args.max_tokens]
+    if len(ids) < 2:
+        raise CliError(f"--text-file {args.text_file} is {len(ids)} token; perplexity needs at least 2")
     t0 = time.monotonic()
     ppl, n = model.perplexity(ids)
     dt = time.monotonic() - t0
@@ -175,82 +410,233 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    from runtime.signing import generate_key
+
+    private, public = Path(f"{args.out}.key"), Path(f"{args.out}.pub")
+    kid = generate_key(private, public)
+    print(f"key {kid}: private {private} (mode 0600: keep it on the build machine), public {public} (copy it to "
+          f"boards: $BOARDTALK_TRUSTED_KEYS or /etc/boardtalk/trusted_keys/)", file=sys.stderr)
+    print(kid)
+    return 0
+
+
+def cmd_sign(args) -> int:
+    from runtime import signing, store
+    from runtime.artifact import load_manifest
+
+    art = Path(args.artifact)
+    if not (art / MANIFEST).is_file() or not store.is_artifact_dir(art):
+        raise CliError(f"{art} is not an artifact directory (sign the directory, then pack it into a tarball)")
+    with store.build_lock(art):  # not while a build replaces it
+        load_manifest(art)  # every file matches the manifest: sign only what is really there
+        kid = signing.sign_manifest(art, args.key)
+    print(f"signed {art / MANIFEST} with key {kid}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+
+def _build_registries():
+    """(model names, schemes, embedding schemes) from models/, or None when models/ is not installed."""
+    try:
+        from models.quant import EMBEDDING_SCHEMES, SCHEMES
+        from models.sources import MODELS
+    except ImportError:
+        log.debug("models/ is not importable: 'build' is unavailable", exc_info=True)
+        return None
+    return list(MODELS), list(SCHEMES), list(EMBEDDING_SCHEMES)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from models.quant import EMBEDDING_SCHEMES, SCHEMES
-    from models.sources import DEFAULT_MODEL, MODELS
-
     import boards
+    import runtime
 
-    p = argparse.ArgumentParser(prog="boardtalk", description="On-device streaming LLM runtime for edge boards.",
-                                epilog="Run 'boardtalk COMMAND --help' for each command's options.")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="boardtalk", description="On-device streaming LLM runtime for edge boards.",
+                epilog="Run 'boardtalk COMMAND --help' for the options of each command. Without --artifact, "
+                       "generate/chat/perplexity build (once) and use the default model's artifact for this board "
+                       "under $BOARDTALK_CACHE (default ~/.cache/boardtalk).")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log more: -v info, -vv debug with tracebacks of errors (default: warnings only)")
+    p.add_argument("--version", action="version", version=f"boardtalk {runtime.__version__}",
+                   help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+    board_names = list(boards.PROFILES)
+    reg = _build_registries()
 
-    b = sub.add_parser("build", help="turn a model into an artifact for a board",
-                       description="Convert a registered model (or a local .gguf) into a verified INT4 artifact.")
-    b.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(MODELS)}) or path to a .gguf")
-    b.add_argument("--backend", default="native", choices=["native", "onnxruntime"],
-                   help="native: C kernels over the GGUF's own blocks, regrouped 8 rows at a time (fastest, "
-                        "least memory); onnxruntime: portable INT4 ONNX graph")
-    b.add_argument("--board", choices=list(boards.PROFILES), help="target board profile (default: this machine's)")
-    b.add_argument("--out", help="artifact directory (default: the cache's default artifact path)")
-    b.add_argument("--scheme", default="q4_1-exact", choices=list(SCHEMES), help="linear-layer quantization")
-    b.add_argument("--embedding", default="q8_0", choices=list(EMBEDDING_SCHEMES), help="tied lm_head quantization")
+    b = sub.add_parser("build", help="turn a model (registry name or .gguf) into a verified artifact for a board",
+                       description="Convert a registered model or a local .gguf into a verified artifact. "
+                                   + ("" if reg else BUILD_EXTRA + "."))
+    models_help = f"registry name ({', '.join(reg[0])})" if reg else "registry name"
+    b.add_argument("--model", default=runtime.DEFAULT_MODEL,
+                   help=f"{models_help} or path to a .gguf file (default: {runtime.DEFAULT_MODEL})")
+    b.add_argument("--backend", default=runtime.DEFAULT_BACKEND, choices=list(runtime.BACKENDS),
+                   help="native: C kernels over the GGUF's own blocks, regrouped 8 rows at a time (fastest, least "
+                        "memory); onnxruntime: portable INT4 ONNX graph (default: %(default)s)")
+    b.add_argument("--board", choices=board_names,
+                   help="target board profile (default: this machine's: $BOARDTALK_BOARD or detected)")
+    b.add_argument("--out", metavar="DIR",
+                   help="artifact directory, new, empty or an artifact (replaced atomically) (default: the cache's "
+                        "artifact path for this model, backend and board)")
+    b.add_argument("--scheme", default="q4_1-exact", choices=reg[1] if reg else None,
+                   help="linear-layer quantization (native needs q4_1-exact) (default: %(default)s)")
+    b.add_argument("--embedding", default="q8_0", choices=reg[2] if reg else None,
+                   help="tied embedding / lm_head quantization (native needs q8_0) (default: %(default)s)")
     b.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
-                   help="MatMulNBits accuracy level: 4 = int8 activations (fast), 0 = fp32")
-    b.add_argument("--max-context", type=int, help="positions the artifact supports (default: the board's)")
+                   help="onnxruntime MatMulNBits accuracy level: 4 = int8 activations (fast), 0 = fp32 "
+                        "(default: %(default)s)")
+    b.add_argument("--max-context", type=_int_in(2), metavar="N",
+                   help="positions the artifact supports, >= 2 (default: the board's, capped by the model's)")
+    b.add_argument("--sign-key", metavar="KEY",
+                   help="Ed25519 private key (from 'boardtalk keygen') to sign the manifest with (default: unsigned)")
     b.set_defaults(func=cmd_build)
 
-    def common(sp, gen=True):
-        sp.add_argument("--artifact", help="artifact directory or tarball (default: build/use the default one)")
-        sp.add_argument("--board", help="run as this board profile (default: detect)")
-        sp.add_argument("--threads", type=int, help="compute threads (default: the board's)")
-        sp.add_argument("--max-context", type=int, help="KV cache positions (default: the board's)")
+    def run_options(sp, gen=True):
+        sp.add_argument("--artifact", metavar="PATH",
+                        help="artifact directory or tarball (default: the default model's artifact for this board, "
+                             "built in the cache on first use)")
+        sp.add_argument("--board", choices=board_names,
+                        help="run as this board profile (default: $BOARDTALK_BOARD or detected)")
+        sp.add_argument("--threads", type=_int_in(1, boards.MAX_THREADS), metavar="N",
+                        help=f"compute threads, 1-{boards.MAX_THREADS} (default: the board's; host: every usable core)")
+        sp.add_argument("--max-context", type=_int_in(2), metavar="N",
+                        help="KV cache positions, >= 2 (default: the board's, capped by the artifact's)")
+        sp.add_argument("--trusted-keys", metavar="PATH",
+                        help="a .pub file or a directory of them: load only artifacts signed by one of these keys "
+                             "(default: $BOARDTALK_TRUSTED_KEYS, else /etc/boardtalk/trusted_keys/ if it exists, "
+                             "else no signature check)")
         if gen:
-            sp.add_argument("--max-new-tokens", type=int, default=256)
-            sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-            sp.add_argument("--top-k", type=int, default=0)
-            sp.add_argument("--top-p", type=float, default=1.0)
-            sp.add_argument("--repetition-penalty", type=float, default=1.0)
-            sp.add_argument("--seed", type=int)
-            sp.add_argument("--stop", action="append", help="stop string (repeatable)")
+            sp.add_argument("--max-new-tokens", type=_int_in(1), default=256, metavar="N",
+                            help="most tokens to generate per reply, >= 1 (default: %(default)s)")
+            sp.add_argument("--temperature", type=_float_in(0, 100), default=0.0, metavar="T",
+                            help="sampling temperature in [0, 100]; 0 = greedy, deterministic (default: %(default)s)")
+            sp.add_argument("--top-k", type=_int_in(0), default=0, metavar="K",
+                            help="sample from the K most likely tokens only; 0 = off (default: %(default)s)")
+            sp.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, metavar="P",
+                            help="nucleus sampling: the smallest set of tokens with probability P, in (0, 1]; "
+                                 "1 = off (default: %(default)s)")
+            sp.add_argument("--repetition-penalty", type=_float_in(0, 100, lo_open=True), default=1.0, metavar="R",
+                            help="> 1 discourages tokens already seen, in (0, 100]; 1 = off (default: %(default)s)")
+            sp.add_argument("--seed", type=_int_in(0, 2**64 - 1), metavar="N",
+                            help="sampling seed, for repeatable output with --temperature > 0 (default: random)")
+            sp.add_argument("--stop", action="append", type=_nonempty, metavar="TEXT",
+                            help="stop when the reply produces TEXT (not printed); repeatable (default: only the "
+                                 "model's end-of-turn tokens stop)")
 
-    g = sub.add_parser("generate", help="stream a completion of one prompt")
-    common(g)
+    g = sub.add_parser("generate", help="stream a completion of one prompt",
+                       description="Stream the model's continuation of one prompt (or, with --chat, its reply).")
+    run_options(g)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file with the prompt text")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
-    g.add_argument("--system", help="system message (with --chat)")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (this or --prompt-file is required)")
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="UTF-8 file with the prompt text (this or --prompt is required)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user message in the model's chat template (default: continue the "
+                        "prompt as raw text)")
+    g.add_argument("--system", metavar="TEXT", help="system message; needs --chat (default: none)")
+    g.add_argument("--truncate-prompt", action="store_true",
+                   help="keep only the newest tokens of a prompt that does not fit the context (default: refuse it)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (ids, text, timings) at the end instead of streaming text "
+                        "(default: stream text, stats on stderr)")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive streaming chat")
-    common(c)
-    c.add_argument("--system", help="system message (prefilled once, reused every turn)")
+    c = sub.add_parser("chat", help="interactive streaming chat (Ctrl-C stops a reply, Ctrl-D quits)",
+                       description="Interactive chat. The system message is computed once and reused every turn; "
+                                   "when the conversation outgrows the context its oldest turns are left out.")
+    run_options(c)
+    c.add_argument("--system", metavar="TEXT", help="system message, prefilled once and always kept (default: none)")
     c.set_defaults(func=cmd_chat)
 
-    pp = sub.add_parser("perplexity", help="perplexity of a text file (one window from its start)")
-    common(pp, gen=False)
-    pp.add_argument("--text-file", required=True)
-    pp.add_argument("--max-tokens", type=int, default=512)
-    pp.add_argument("--json", action="store_true")
+    pp = sub.add_parser("perplexity", help="perplexity of a text file (one window from its start)",
+                        description="Perplexity of the first --max-tokens tokens of a text file, as one window.")
+    run_options(pp, gen=False)
+    pp.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text to score (required)")
+    pp.add_argument("--max-tokens", type=_int_in(2), default=512, metavar="N",
+                    help="tokens from the start of the file to score, 2 to the context size (default: %(default)s)")
+    pp.add_argument("--json", action="store_true",
+                    help="print one JSON object instead of a line of text (default: text)")
     pp.set_defaults(func=cmd_perplexity)
+
+    k = sub.add_parser("keygen", help="make an Ed25519 key pair for signing artifacts",
+                       description="Write PREFIX.key (private, mode 0600) and PREFIX.pub (public: copy it to the "
+                                   "boards that should trust artifacts signed with it). Needs 'cryptography'.")
+    k.add_argument("--out", required=True, metavar="PREFIX",
+                   help="path prefix of the two files; existing files are never overwritten (required)")
+    k.set_defaults(func=cmd_keygen)
+
+    s = sub.add_parser("sign", help="sign an artifact's manifest with a private key",
+                       description="Check every file of an artifact directory against its manifest, then write "
+                                   "manifest.sig (Ed25519 over manifest.yaml).")
+    s.add_argument("--artifact", required=True, metavar="DIR", help="artifact directory to sign (required)")
+    s.add_argument("--key", required=True, metavar="KEY", help="private key from 'boardtalk keygen' (required)")
+    s.set_defaults(func=cmd_sign)
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-                        format="%(levelname)s %(name)s: %(message)s")
-    from runtime import ArtifactError, ContextOverflow
-    from models.sources import SourceError
+# ---------------------------------------------------------------------------------------------
+# Entry point
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's to fix: reported in one line, without a traceback."""
+    import runtime
+    from runtime.native import NativeError
+    from runtime.signing import SignatureError
+    from runtime.store import StoreError
+
+    errors = [CliError, runtime.ArtifactError, runtime.ContextOverflow, runtime.ConfigError, runtime.SessionBusy,
+              StoreError, SignatureError, NativeError, ValueError, OSError, ImportError, NotImplementedError]
+    sources = sys.modules.get("models.sources")  # not loaded: it raised nothing
+    if sources is not None:
+        errors.append(sources.SourceError)
+    return tuple(errors)
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and e.filename:
+        return f"{e.filename}: {e.strerror}"
+    text = " ".join(str(e).split("\n")).strip()
+    return text or type(e).__name__
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so flushing it at exit does not raise BrokenPipeError again."""
     try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+                            format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
-    except (ArtifactError, ContextOverflow, SourceError, ValueError, FileNotFoundError) as e:
-        print(f"boardtalk: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        log.debug("interrupted", exc_info=True)
+        print("\nboardtalk: interrupted" if _mid_line() else "boardtalk: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (| head): stop quietly
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as e:  # noqa: BLE001 - only user errors are caught, the rest re-raised below
+        if not isinstance(e, _user_errors()):
+            raise
+        log.debug("error", exc_info=True)
+        print(f"boardtalk: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _mid_line() -> bool:
+    """Whether the terminal's cursor is after streamed text (stdout and stderr the same tty)."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (ValueError, OSError):
+        return False
 
 
 if __name__ == "__main__":
