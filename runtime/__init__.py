@@ -30,7 +30,7 @@ from .session import CancelToken, Generation, GenerationStats, Session, SessionB
 
 __all__ = ["load", "default_artifact", "default_backend", "Model", "Session", "Generation", "GenerationConfig",
            "GenerationStats", "CancelToken", "SessionBusy", "Sampler", "KVCache", "ArtifactError", "ConfigError",
-           "ContextOverflow", "Manifest", "ModelConfig", "BoardMismatch", "BACKENDS", "DEFAULT_BACKEND",
+           "ContextOverflow", "Manifest", "ModelConfig", "BoardMismatch", "UntrustedArtifact", "BACKENDS", "DEFAULT_BACKEND",
            "DEFAULT_MODEL", "__version__"]
 __version__ = "0.1.0"
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the name of the default artifact the CLI builds (models/sources.py)
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class BoardMismatch(ArtifactError):
     """The artifact was built for another board."""
+
+
+class UntrustedArtifact(ArtifactError):
+    """This board trusts signing keys and the artifact is unsigned, signed by another key, or altered."""
 
 
 def load(artifact_dir, threads: int | None = None, board: str | None = None, max_context: int | None = None,
@@ -105,7 +109,7 @@ def _check_signature(art: Path, data: bytes, trusted_keys) -> None:
                     for k in ([t] if isinstance(t, signing.PublicKey) else signing.load_public_keys(t))]
         signing.check_artifact(art, data, keys)
     except signing.SignatureError as e:
-        raise ArtifactError(str(e)) from None
+        raise UntrustedArtifact(str(e)) from None
 
 
 def _release_freed_memory() -> None:

@@ -141,13 +141,6 @@ def _load(args):
         raise CliError(f"{e}{_rebuild_hint(Path(args.artifact), args.board)}") from e
 
 
-def _signature_failure(e: Exception) -> bool:
-    """runtime.load reports a signature check as ArtifactError raised from a SignatureError."""
-    from runtime.signing import SignatureError
-
-    return isinstance(e.__context__, SignatureError)
-
-
 def _rebuild_hint(path: Path, board: str | None) -> str:
     """'; to rebuild it: boardtalk build ...' with what the manifest still says (model, backend)."""
     import boards
@@ -212,7 +205,7 @@ def _load_default(args, kw):
     try:
         return runtime.load(path, **kw)
     except runtime.ArtifactError as e:
-        if _signature_failure(e):  # a rebuild is unsigned too: it would not help
+        if isinstance(e, runtime.UntrustedArtifact):  # a rebuild is unsigned too: it would not help
             raise CliError(f"{e}; the default artifact is built unsigned: build and sign one with 'boardtalk build "
                            f"--sign-key KEY --out DIR' and run with --artifact DIR") from e
         if why:  # just built (here or by another run): a second build would fail the same way
@@ -449,7 +442,9 @@ def _build_registries():
     return list(MODELS), list(SCHEMES), list(EMBEDDING_SCHEMES)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
+    """for_build: also read models/' registries for the build command's choices (a board that runs
+    generate/chat never imports models/)."""
     import boards
     import runtime
 
@@ -463,11 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     board_names = list(boards.PROFILES)
-    reg = _build_registries()
+    reg = _build_registries() if for_build else None
 
     b = sub.add_parser("build", help="turn a model (registry name or .gguf) into a verified artifact for a board",
                        description="Convert a registered model or a local .gguf into a verified artifact. "
-                                   + ("" if reg else BUILD_EXTRA + "."))
+                                   + ("" if reg or not for_build else BUILD_EXTRA + "."))
     models_help = f"registry name ({', '.join(reg[0])})" if reg else "registry name"
     b.add_argument("--model", default=runtime.DEFAULT_MODEL,
                    help=f"{models_help} or path to a .gguf file (default: {runtime.DEFAULT_MODEL})")
@@ -612,7 +607,7 @@ def _silence_stdout() -> None:
 
 def main(argv=None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(for_build="build" in (sys.argv[1:] if argv is None else argv)).parse_args(argv)
         logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
