@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")  # then the board's cflags; -lm links last
 INSTALL_HINT = {"aarch64": "apt install gcc-aarch64-linux-gnu", "x86_64": "apt install gcc-x86-64-linux-gnu"}
 # predefined macro -> CPU feature (boards' names) the compiled code may use
-FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__ARM_NEON": "neon",
-                  "__ARM_FEATURE_DOTPROD": "dotprod", "__ARM_FEATURE_FP16_SCALAR_ARITHMETIC": "fullfp16"}
+FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
+                  "__AVX512BW__": "avx512bw", "__AVX512CD__": "avx512cd", "__AVX512DQ__": "avx512dq",
+                  "__AVX512VL__": "avx512vl", "__ARM_NEON": "neon", "__ARM_FEATURE_DOTPROD": "dotprod",
+                  "__ARM_FEATURE_FP16_SCALAR_ARITHMETIC": "fullfp16"}
 
 
 class NativeBuildError(RuntimeError):
@@ -51,9 +53,9 @@ def can_build(board: str) -> bool:
     return shutil.which(compiler_for(boards.get(board))) is not None
 
 
-def library_name(profile: boards.BoardProfile) -> str:
+def library_name(profile: boards.BoardProfile, cpu: str | None = None) -> str:
     """bt_native-<cpu>.so, with anything but letters, digits, '.', '_' and '-' replaced."""
-    return f"bt_native-{re.sub(r'[^A-Za-z0-9._-]', '_', profile.cpu)}.so"
+    return f"bt_native-{re.sub(r'[^A-Za-z0-9._-]', '_', cpu or profile.cpu)}.so"
 
 
 def _compiler(profile: boards.BoardProfile) -> tuple[str, str]:
@@ -110,13 +112,15 @@ def build_library(board: str, out_dir: Path, progress: Callable[[int, int, str],
     if not profile.cflags:
         raise NativeBuildError(f"board {board} has no native build flags (boards.PROFILES[{board!r}].cflags)")
     cc, version = _compiler(profile)
-    flags = [*BASE_FLAGS, *profile.cflags]
-    macros = target_macros(cc, profile.cflags)
+    here = runtime.native.cpu_features() if profile.arch == machine_arch() else None
+    cpu, cflags = profile.build_flags(here)
+    flags = [*BASE_FLAGS, *cflags]
+    macros = target_macros(cc, cflags)
     features = sorted(f for m, f in FEATURE_MACROS.items() if m in macros)
-    if set(features) - set(profile.cpu_features):
+    if cflags == profile.cflags and set(features) - set(profile.cpu_features):
         log.warning("board %s: %s implies CPU features %s beyond the profile's %s; the artifact records what the "
-                    "build needs", board, " ".join(profile.cflags), ", ".join(features), ", ".join(profile.cpu_features))
-    name = library_name(profile)
+                    "build needs", board, " ".join(cflags), ", ".join(features), ", ".join(profile.cpu_features))
+    name = library_name(profile, cpu)
     key = hashlib.sha256(runtime.native.SOURCE.read_bytes() + b"\0" + version.encode() + b"\0" +
                          " ".join(flags).encode()).hexdigest()
     cached = cache_dir() / "kernels" / f"{key[:24]}-{name}"
@@ -125,7 +129,7 @@ def build_library(board: str, out_dir: Path, progress: Callable[[int, int, str],
     else:
         if progress:
             progress(0, 1, "compile native kernels")
-        log.info("compiling native kernels for %s: %s %s", board, Path(cc).name, " ".join(profile.cflags))
+        log.info("compiling native kernels for %s: %s %s", board, Path(cc).name, " ".join(cflags))
         _compile(cc, flags, cached)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +140,6 @@ def build_library(board: str, out_dir: Path, progress: Callable[[int, int, str],
     if profile.arch == machine_arch():  # a library for this machine can also say it itself
         built = runtime.native.load_library(cached).bt_simd().decode()
         if built != simd:
-            raise NativeBuildError(f"{name}: bt_simd() is {built!r}, expected {simd!r} from {' '.join(profile.cflags)}")
-    return {"file": name, "cflags": list(profile.cflags), "cpu_features": features, "simd": simd,
+            raise NativeBuildError(f"{name}: bt_simd() is {built!r}, expected {simd!r} from {' '.join(cflags)}")
+    return {"file": name, "cflags": list(cflags), "cpu_features": features, "simd": simd,
             "compiler": version.splitlines()[0].strip() if version else Path(cc).name}

@@ -34,7 +34,7 @@ _ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 # aarch64 getauxval(AT_HWCAP) bits (linux/arch/arm64/include/uapi/asm/hwcap.h), in our feature names
 _AT_HWCAP = 16
 _HWCAP_BITS = {"neon": 1 << 1, "fullfp16": 1 << 10, "dotprod": 1 << 20}  # ASIMD, ASIMDHP, ASIMDDP
-_X86_FLAGS = ("avx2", "fma", "f16c")  # /proc/cpuinfo flags we name the same
+_X86_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # as /proc/cpuinfo
 
 
 class NativeError(RuntimeError):
