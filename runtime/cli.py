@@ -339,17 +339,17 @@ def _chat_turn(model, history: list[dict], first: int, cfg) -> list[dict]:
     import runtime
 
     cancel = runtime.CancelToken()
-    try:
-        deltas = model.chat(history, cfg, cancel)
-    except runtime.ContextOverflow as e:
-        print(f"[{e}; message not sent]", file=sys.stderr)
-        return history[:-1]
-    k = model.last_stats.dropped_messages
-    if k:  # the model no longer sees them: neither does the next turn
-        history = history[:first] + history[first + k :]
-        print(f"[context full: left out the {k} oldest message{'s' if k != 1 else ''}]", file=sys.stderr)
     reply = []
-    with _ctrl_c_cancels(cancel):
+    with _ctrl_c_cancels(cancel):  # from the moment the message is taken: Ctrl-C only ever stops this reply
+        try:
+            deltas = model.chat(history, cfg, cancel)
+        except runtime.ContextOverflow as e:
+            print(f"[{e}; message not sent]", file=sys.stderr)
+            return history[:-1]
+        k = model.last_stats.dropped_messages
+        if k:  # the model no longer sees them: neither does the next turn
+            history = history[:first] + history[first + k :]
+            print(f"[context full: left out the {k} oldest message{'s' if k != 1 else ''}]", file=sys.stderr)
         for delta in deltas:
             reply.append(delta)
             print(delta, end="", flush=True)
