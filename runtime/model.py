@@ -38,8 +38,13 @@ class Model:
         self.template = None
         if manifest.chat_template:
             bos = tokenizer.id_to_piece(manifest.bos_id) if manifest.bos_id is not None else ""
-            self.template = ChatTemplate(manifest.chat_template, bos_token=bos or "",
-                                         eos_token=tokenizer.id_to_piece(manifest.eos_id) or "")
+            try:
+                self.template = ChatTemplate(manifest.chat_template, bos_token=bos or "",
+                                             eos_token=tokenizer.id_to_piece(manifest.eos_id) or "")
+            except ValueError as e:
+                from .artifact import ArtifactError
+
+                raise ArtifactError(f"manifest chat_template: {e}") from None
         self._sessions: list = []
         self.session = self.new_session()  # the default session behind model.generate/chat/...
 
@@ -48,15 +53,17 @@ class Model:
         if self.backend is None:
             raise ValueError("model is closed")
         s = Session(self, max_context)
+        self._sessions = [r for r in self._sessions if r() is not None]
         self._sessions.append(weakref.ref(s))
         return s
 
     def close(self) -> None:
-        """Free every session's run state and the weights now (not at garbage collection)."""
+        """Free every session's run state and the weights now (not at garbage collection). A generation
+        running in another thread finishes its current step first, then raises "session is closed"."""
         for ref in self._sessions:
             s = ref()
             if s is not None:
-                s.cache.close()
+                s.close()
         self._sessions.clear()
         if self.backend is not None:
             self.backend.close()

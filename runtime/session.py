@@ -114,7 +114,7 @@ class Session:
         self.last_stats = GenerationStats()
         self._lock = threading.Lock()  # held during each step
         self._owner: object | None = None  # the generation allowed to step; a new one supersedes it
-        self._closed = False
+        self._closed = self._closing = False
 
     @property
     def max_context(self) -> int:
@@ -122,11 +122,14 @@ class Session:
 
     # ---- ownership: one generation at a time ------------------------------------------------
     def _enter(self, owner: object | None = None) -> None:
-        if self._closed:
-            raise ValueError("session is closed")
         if not self._lock.acquire(blocking=False):
+            if self._closing:
+                raise ValueError("session is closed")
             raise SessionBusy("session is busy: another thread is running a step on it (give each thread its own "
                               "model.new_session(), or cancel the running generation first)")
+        if self._closed:  # checked under the lock: close() cannot free the cache while a step runs
+            self._lock.release()
+            raise ValueError("session is closed")
         if owner is not None and self._owner is not owner:
             self._lock.release()
             raise SessionBusy("this generation was superseded: a newer generate/chat/reset on the same session "
@@ -197,11 +200,15 @@ class Session:
         self.rewind_to(0)
 
     def close(self) -> None:
-        """Free the cache's run state now; the session is unusable afterwards."""
-        if not self._closed:
-            self._claim()
-            self._closed = True
-            self.cache.close()
+        """Free the cache's run state now; the session is unusable afterwards. Waits for a step running in
+        another thread to end (at most one decode step or prefill chunk); that generation then raises
+        ``ValueError("session is closed")`` at its next step instead of touching freed memory."""
+        self._closing = True  # a step that finds the lock taken by close() says "closed", not "busy"
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._owner = None
+                self.cache.close()
 
     def __enter__(self) -> "Session":
         return self

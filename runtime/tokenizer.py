@@ -219,12 +219,21 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = raise_exception
-        self._t = env.from_string(source)
+        try:
+            self._t = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template does not parse: {e}") from None
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._t.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                              bos_token=self.bos_token, eos_token=self.eos_token)
+        try:
+            return self._t.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.bos_token, eos_token=self.eos_token)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  a template is data: whatever it raises is its error, in one line
+            raise ValueError(f"chat template failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                             ) from None
 
     def encode(self, tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render with placeholders for the contents, then encode markup with specials and contents as plain text."""

@@ -115,3 +115,20 @@ def test_tokenizer_that_disagrees_with_the_vocab_is_refused(art):
     _rewrite(art, _arch(vocab=300))
     with pytest.raises(ArtifactError):
         runtime.load(art)
+
+
+@pytest.mark.parametrize("template,msg", [("{% for %}", "does not parse"), ("{{ 1/0 }}", "ZeroDivisionError"),
+                                          ("{{ foo.bar }}", "UndefinedError"), ('{{ "".__class__ }}', "SecurityError"),
+                                          ("{% for i in range(100000000) %}{% endfor %}", "OverflowError")])
+def test_broken_chat_template_is_one_line(art, template, msg):
+    """Review: an edited chat_template gave ZeroDivisionError/UndefinedError/TemplateSyntaxError/OverflowError
+    tracebacks; a template that fails to parse is refused at load, one that fails to render at the call."""
+    _rewrite(art, lambda m: m.update(chat_template=template))
+    if msg == "does not parse":
+        with pytest.raises(ArtifactError, match="manifest chat_template: chat template does not parse"):
+            runtime.load(art)
+        return
+    m = runtime.load(art)
+    with pytest.raises(ValueError, match=f"chat template failed: .*{msg}") as e:
+        m.chat([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value)

@@ -253,3 +253,34 @@ def test_truncated_prompt_reuses_the_cache_by_shifting(tiny_model):
     list(tiny_model.generate(longer, cfg))
     st = tiny_model.last_stats
     assert st.prompt_tokens < len(longer) and st.shifted_tokens > 0 and st.prompt_tokens - st.reused_tokens <= 11
+
+
+def test_close_while_another_thread_generates(tiny_artifacts):
+    """Review: model.close() while another thread generated freed the native scratch under the running step
+    (SIGSEGV) and gave AttributeError on onnxruntime. Now close() waits for the step, and the generation
+    then raises "session is closed"; every later use says the session or model is closed."""
+    import time
+
+    for backend in ("native", "onnxruntime"):
+        m = runtime.load(tiny_artifacts[backend])
+        s = m.new_session()
+        seen, started = [], threading.Event()
+
+        def worker():
+            try:
+                while True:
+                    for _ in s.generate(PROMPTS[2], GenerationConfig(max_new_tokens=100, stop_ids=())):
+                        started.set()
+            except ValueError as e:
+                seen.append(str(e))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(5)
+        time.sleep(0.02)
+        m.close()
+        t.join(5)
+        assert seen == ["session is closed"], (backend, seen)
+        for call in (lambda: m.generate([1, 2]), lambda: s.generate([1, 2]), lambda: m.new_session()):
+            with pytest.raises(ValueError, match="is closed"):
+                call()
