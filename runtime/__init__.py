@@ -19,6 +19,10 @@ from pathlib import Path
 # Set before NumPy is first imported (by the modules below); a user's own setting wins.
 for _v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
+# The native kernels pass their thread count to every parallel region, so OMP_NUM_THREADS never applies;
+# an invalid one would only make libgomp print a complaint on every run.
+if not os.environ.get("OMP_NUM_THREADS", "1").strip().isdigit() or os.environ.get("OMP_NUM_THREADS") == "0":
+    os.environ.pop("OMP_NUM_THREADS", None)
 
 from .artifact import ArtifactError, Manifest  # noqa: E402
 from .backends import BACKENDS, DEFAULT_BACKEND, default_backend  # noqa: E402

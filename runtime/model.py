@@ -78,7 +78,7 @@ class Model:
     # ---- what sessions share -----------------------------------------------------------------
     def check_ids(self, ids) -> list[int]:
         """A non-empty sequence of int token ids in range; anything else is a ValueError saying what it was."""
-        if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        if isinstance(ids, (str, bytes, bytearray, dict)) or not hasattr(ids, "__iter__"):
             raise ValueError(f"token ids must be a sequence of ints, got {type(ids).__name__}")
         if isinstance(ids, np.ndarray) and ids.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got an array of {ids.dtype}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,25 +26,25 @@ class GenerationConfig:
 
 
 def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
 
 
 def validate(c: GenerationConfig) -> None:
     """The one place that checks the options' types, ranges and how they combine."""
     if not _int(c.max_new_tokens) or c.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {c.max_new_tokens!r}")
-    if not _num(c.temperature) or not 0 <= c.temperature <= 100:
-        raise ValueError(f"temperature must be a number from 0 (greedy) to 100, got {c.temperature!r}")
+    if not _num(c.temperature) or not (c.temperature == 0 or 1e-3 <= c.temperature <= 100):
+        raise ValueError(f"temperature must be 0 (greedy) or a number from 0.001 to 100, got {c.temperature!r}")
     if not _int(c.top_k) or c.top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0, got {c.top_k!r}")
     if not _num(c.top_p) or not 0 < c.top_p <= 1:
         raise ValueError(f"top_p must be a number in (0, 1], got {c.top_p!r}")
-    if not _num(c.repetition_penalty) or not 0 < c.repetition_penalty <= 100:
-        raise ValueError(f"repetition_penalty must be a number in (0, 100], got {c.repetition_penalty!r}")
+    if not _num(c.repetition_penalty) or not 0.01 <= c.repetition_penalty <= 100:
+        raise ValueError(f"repetition_penalty must be a number from 0.01 to 100 (1 = off), got {c.repetition_penalty!r}")
     if c.seed is not None and (not _int(c.seed) or not 0 <= c.seed < 2**64):
         raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {c.seed!r}")
     if not _int(c.prefill_chunk) or c.prefill_chunk < 1:

@@ -231,14 +231,14 @@ class Session:
     def generate(self, prompt_ids, config: GenerationConfig = GenerationConfig(),
                  cancel: CancelToken | None = None) -> Generation:
         """Ids of the reply. Stop ids are not yielded; nor is the id that completes a stop string."""
-        _check_args(config, cancel)
+        _check_args(config, cancel, self.model.vocab)
         ids = self.model.check_ids(prompt_ids)
         return self._start(self._fit(ids, config), config, cancel, want_text=bool(config.stop_strings), before=ids)
 
     def stream(self, prompt_ids, config: GenerationConfig = GenerationConfig(),
                cancel: CancelToken | None = None) -> Iterator[str]:
         """Text deltas of the reply; a delta never splits a UTF-8 character and stop strings never show."""
-        _check_args(config, cancel)
+        _check_args(config, cancel, self.model.vocab)
         ids = self.model.check_ids(prompt_ids)
         return self._start(self._fit(ids, config), config, cancel, want_text=True, before=ids).texts()
 
@@ -307,6 +307,8 @@ class Session:
                 cut = _find_stop(buf, stops)
                 if cut is not None:
                     st.finish_reason = "stop_string"
+                    if t_first is None and buf[:cut]:  # the first text came with the stop: that is the TTFT
+                        st.ttft_s = time.monotonic() - t0
                     yield None, buf[:cut]  # the text before the stop, even inside the same token
                     return
                 hold = _stop_prefix_len(buf, stops)
@@ -351,7 +353,7 @@ class Session:
         cached KV of the turns that remain is shifted down instead of computed again.
         ``last_stats.dropped_messages`` says how many messages were left out: drop them from your
         history too, so the next call renders only what the model still sees."""
-        _check_args(config, cancel)
+        _check_args(config, cancel, self.model.vocab)
         msgs = validate_messages(messages)
         ids = before = self.chat_ids(msgs)
         st = GenerationStats()
@@ -396,6 +398,8 @@ class Session:
     def perplexity(self, ids, chunk: int = 256) -> tuple[float, int]:
         """(perplexity, n_predicted) of ids as one window from position 0; leaves them cached."""
         ids = self.model.check_ids(ids)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         if len(ids) < 2:
             raise ValueError("perplexity needs at least 2 tokens")
         if len(ids) > self.max_context:
@@ -419,9 +423,11 @@ class Session:
         return float(np.exp(nll / n)), n
 
 
-def _check_args(config, cancel) -> None:
+def _check_args(config, cancel, vocab: int) -> None:
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if config.stop_ids is not None and any(not 0 <= i < vocab for i in config.stop_ids):
+        raise ValueError(f"stop_ids must be token ids in [0, {vocab}), got {config.stop_ids!r:.60}")
     if cancel is not None and not isinstance(cancel, CancelToken):
         raise TypeError(f"cancel must be a CancelToken or None, got {type(cancel).__name__}")
 

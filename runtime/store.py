@@ -62,20 +62,42 @@ class StoreError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # What counts as an artifact
 
-def _listed_files(manifest_path: Path) -> set[str] | None:
-    """File names the manifest lists, or None when it cannot be read as a boardtalk manifest."""
+_UNPARSEABLE = object()  # manifest.yaml could not be read or parsed (a damaged artifact, maybe)
+_FOREIGN = object()  # manifest.yaml parses, but is not a boardtalk manifest: someone else's file
+
+
+def _manifest_kind(manifest_path: Path):
+    """What manifest.yaml says about its directory:
+
+    - a set of file names: a boardtalk manifest (a mapping with an integer ``format_version`` and a
+      ``tool_version`` starting with "boardtalk") with a ``files`` mapping; the names it lists.
+    - _UNPARSEABLE: not readable as YAML (truncated, binary, too large), or a boardtalk manifest
+      without a ``files`` mapping: damaged; only names a build writes may be beside it.
+    - _FOREIGN: valid YAML that is not a boardtalk manifest (a Kubernetes manifest, an empty file):
+      the directory is not an artifact, whatever else it holds.
+    """
     import yaml
 
     try:
         if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
-            return None
+            return _UNPARSEABLE
         d = yaml.safe_load(manifest_path.read_bytes())
     except Exception:  # noqa: BLE001  (damaged: any parse failure means "unreadable", never a crash)
-        return None
-    files = d.get("files") if isinstance(d, dict) else None
+        return _UNPARSEABLE
+    if not _is_boardtalk_manifest(d):
+        return _FOREIGN
+    files = d.get("files")
     if not isinstance(files, dict):
-        return None
+        return _UNPARSEABLE
     return {n for n in files if isinstance(n, str) and _plain_name(n)}
+
+
+def _is_boardtalk_manifest(d) -> bool:
+    if not isinstance(d, dict):
+        return False
+    version, tool = d.get("format_version"), d.get("tool_version")
+    return (isinstance(version, int) and not isinstance(version, bool)
+            and isinstance(tool, str) and tool.startswith("boardtalk"))
 
 
 def _plain_name(name: str) -> bool:
@@ -86,11 +108,15 @@ def is_artifact_dir(path: str | os.PathLike) -> bool:
     """True for a real directory (not a symlink) holding a regular manifest.yaml and nothing but
     regular files that belong to an artifact:
 
-    - manifest readable (YAML with a ``files`` mapping): the files it lists, manifest.yaml and
-      manifest.sig; listed files may be missing or corrupt (a damaged artifact is still one).
-    - manifest unreadable (damaged, truncated, no ``files``): only names a boardtalk build writes
-      (KNOWN_FILES, KNOWN_PATTERN), so a half-written artifact can be rebuilt while a user's directory that merely
-      has a manifest.yaml among other files is not.
+    - manifest is a boardtalk manifest (a mapping with an integer ``format_version``, a
+      ``tool_version`` starting with "boardtalk" and a ``files`` mapping): the files it lists,
+      manifest.yaml and manifest.sig; listed files may be missing or corrupt (a damaged artifact is
+      still one).
+    - manifest unparseable (truncated, binary, not YAML; or a boardtalk manifest without ``files``):
+      only names a boardtalk build writes (KNOWN_FILES, KNOWN_PATTERN), so a half-written artifact
+      can be rebuilt while a user's directory that merely has a manifest.yaml among other files is not.
+    - manifest parses as YAML but is not a boardtalk manifest (a user's own manifest.yaml, even
+      beside files named weights.bin or model.onnx): not an artifact.
 
     Subdirectories, symlinks and any other name mean "not an artifact": never delete it.
     """
@@ -100,11 +126,13 @@ def is_artifact_dir(path: str | os.PathLike) -> bool:
     mpath = p / MANIFEST
     if mpath.is_symlink() or not mpath.is_file():
         return False
-    listed = _listed_files(mpath)
-    if listed is not None:
-        allowed = (listed | STORE_FILES).__contains__
-    else:
+    kind = _manifest_kind(mpath)
+    if kind is _FOREIGN:
+        return False
+    if kind is _UNPARSEABLE:
         allowed = lambda n: n in KNOWN_FILES or KNOWN_PATTERN.fullmatch(n) is not None  # noqa: E731
+    else:
+        allowed = (kind | STORE_FILES).__contains__
     try:
         with os.scandir(p) as it:
             return all(allowed(e.name) and e.is_file(follow_symlinks=False) for e in it)
@@ -120,15 +148,30 @@ def _is_same_or_ancestor(p: Path, other: Path) -> bool:
     return p == other or p in other.parents
 
 
+def _artifact_ancestors(p: Path) -> Iterator[Path]:
+    """Directories above ``p`` (as written, and with symlinks resolved) that are artifacts."""
+    seen = set()
+    for q in (p, Path(os.path.realpath(p))):
+        for a in q.parents:
+            if a not in seen:
+                seen.add(a)
+                if is_artifact_dir(a):
+                    yield a
+
+
 def prepare_output(out: str | os.PathLike) -> Path:
     """The absolute, normalized output path (``outer/inner/..`` is ``outer``), after checking that a
-    build may replace it: new, an empty directory, or an artifact. Raises StoreError otherwise."""
+    build may replace it: new, an empty directory, or an artifact, and not inside an artifact (a
+    build there would add a directory and a lock file to it: never again an artifact, nor
+    rebuildable). Raises StoreError otherwise."""
     p = _resolve(out)
     protected = {"the filesystem root": Path(p.anchor), "your home directory": _resolve(os.path.expanduser("~")),
                  "the current directory": _resolve(os.getcwd())}
     for what, q in protected.items():
         if _is_same_or_ancestor(p, q):
             raise StoreError(f"refusing to build into {p}: it is {what} or holds it; choose an empty or new directory")
+    for ancestor in _artifact_ancestors(p):
+        raise StoreError(f"refusing to build inside the artifact {ancestor}: choose a directory outside it")
     if p.is_symlink():
         raise StoreError(f"refusing to replace {p}: it is a symlink; build into a new directory and point the link "
                          "at it (or pass the link's target)")
@@ -439,56 +482,146 @@ def _copy_member(tf: tarfile.TarFile, m: tarfile.TarInfo, dest: Path) -> None:
     os.chmod(dest, 0o644)
 
 
+def _sha256_of_open_file(f) -> str:
+    h = hashlib.sha256()
+    f.seek(0)
+    while chunk := f.read(1 << 22):
+        h.update(chunk)
+    f.seek(0)
+    return h.hexdigest()
+
+
+def unpacked_root() -> Path:
+    """``cache_dir()/unpacked``: one directory per distinct tarball; refuses (one line) when that
+    path exists and is not a directory."""
+    from .artifact import cache_dir  # lazy: artifact.py calls this module
+
+    root = cache_dir() / "unpacked"
+    if os.path.lexists(root) and not root.is_dir():
+        raise StoreError(f"{root} is not a directory (the cache of unpacked tarballs); delete it and try again")
+    return root
+
+
+def _clear_entry(dest: Path) -> None:
+    """Remove whatever is at ``dest`` (a cache entry: ours to delete): a symlink or file is unlinked
+    (never its target), a directory removed."""
+    try:
+        if dest.is_symlink() or not dest.is_dir():
+            os.unlink(dest)
+        else:
+            shutil.rmtree(dest)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise StoreError(f"cannot remove the damaged cache entry {dest} ({e.strerror}); delete it and try again") from e
+
+
 def unpack_tarball(path: str | os.PathLike) -> Path:
     """The artifact in a .tar / .tar.gz / .tar.xz, unpacked once into
-    ``cache_dir()/unpacked/<first 32 hex of sha256(manifest.yaml)>`` and reused by later loads.
+    ``cache_dir()/unpacked/<first 32 hex of sha256(the tarball file)>`` and reused by later loads.
+    Keyed by the whole tarball, so two tarballs that differ anywhere (a corrupt copy and a good one
+    with the same manifest) never share a directory.
 
     Every member header is checked before its data is read: a regular file or directory, at the top
     level or under one directory, listed in manifest.yaml (or manifest.sig) with exactly the size the
     manifest gives; so the total written is at most the manifest's sum and a bomb is refused after
-    reading headers only. The loader still verifies every file's sha256."""
-    from .artifact import cache_dir  # lazy: artifact.py calls this module
-
+    reading headers only. Only then is the tarball hashed and unpacked. The loader still verifies
+    every file's sha256 (and calls discard_unpacked, then unpacks again, when a cached copy fails)."""
     where = Path(path)
     try:
-        tf = tarfile.open(where, "r:*")
-    except (OSError, tarfile.TarError) as e:
-        raise StoreError(f"cannot read tarball {where}: {e}") from e
-    with tf:
-        plan = _TarPlan(where)
+        raw = open(where, "rb")  # noqa: SIM115  (closed below; the hash and the members come from one open file)
+    except OSError as e:
+        raise StoreError(f"cannot read tarball {where}: {e.strerror}") from e
+    with raw:
         try:
-            for m in tf:
-                plan.check(m)
-                if plan.manifest is None and _member_name(m.name, where)[1] == MANIFEST and m.isreg():
-                    plan.set_manifest(_read_member(tf, m, MAX_MANIFEST_BYTES, where))
-        except tarfile.TarError as e:
-            raise StoreError(f"tarball {where} is damaged: {e}") from e
-        if plan.manifest is None:
-            raise StoreError(f"tarball {where} has no {MANIFEST}; is it a boardtalk artifact?")
-        missing = sorted(set(plan.sizes) - set(plan.members))
-        if missing:
-            raise StoreError(f"tarball {where} lacks {', '.join(missing)} listed in its {MANIFEST}")
-        dest = cache_dir() / "unpacked" / hashlib.sha256(plan.manifest).hexdigest()[:32]
-        with build_lock(dest):
-            if _unpacked_ok(dest, plan):
-                log.info("tarball %s: reusing %s", where, dest)
+            tf = tarfile.open(fileobj=raw, mode="r:*")
+        except (OSError, tarfile.TarError) as e:
+            raise StoreError(f"cannot read tarball {where}: {e}") from e
+        with tf:
+            plan = _TarPlan(where)
+            try:
+                for m in tf:
+                    plan.check(m)
+                    if plan.manifest is None and _member_name(m.name, where)[1] == MANIFEST and m.isreg():
+                        plan.set_manifest(_read_member(tf, m, MAX_MANIFEST_BYTES, where))
+            except (tarfile.TarError, EOFError, OSError) as e:
+                raise StoreError(f"tarball {where} is damaged: {e}") from e
+            if plan.manifest is None:
+                raise StoreError(f"tarball {where} has no {MANIFEST}; is it a boardtalk artifact?")
+            missing = sorted(set(plan.sizes) - set(plan.members))
+            if missing:
+                raise StoreError(f"tarball {where} lacks {', '.join(missing)} listed in its {MANIFEST}")
+            try:
+                digest = _sha256_of_open_file(raw)
+            except OSError as e:
+                raise StoreError(f"cannot read tarball {where}: {e.strerror}") from e
+            root = unpacked_root()
+            dest = root / digest[:32]
+            root.mkdir(parents=True, exist_ok=True)
+            lock = lock_path(dest)
+            if os.path.lexists(lock) and (lock.is_symlink() or not lock.is_file()):
+                raise StoreError(f"{lock} is not a regular file (a lock of the unpacked-tarball cache); "
+                                 "delete it and try again")
+            with build_lock(dest):
+                if _unpacked_ok(dest, plan):
+                    log.info("tarball %s: reusing %s", where, dest)
+                    return dest
+                with staging_dir(dest) as tmp:
+                    (tmp / MANIFEST).write_bytes(plan.manifest)
+                    try:
+                        for name, m in plan.members.items():
+                            _copy_member(tf, m, tmp / name)
+                    except (tarfile.TarError, EOFError, zlib_error()) as e:
+                        raise StoreError(f"tarball {where} is damaged: {e}") from e
+                    if os.path.lexists(dest) and (dest.is_symlink() or not is_artifact_dir(dest)):
+                        log.info("replacing the damaged cache entry %s", dest)
+                        _clear_entry(dest)  # our own cache entry: a symlink, a file, or damaged beyond recognition
+                    install(tmp, dest)
+                log.info("tarball %s unpacked to %s (%d files)", where, dest, len(plan.members))
                 return dest
-            with staging_dir(dest) as tmp:
-                (tmp / MANIFEST).write_bytes(plan.manifest)
-                for name, m in plan.members.items():
-                    _copy_member(tf, m, tmp / name)
-                if os.path.lexists(dest) and not is_artifact_dir(dest):
-                    shutil.rmtree(dest)  # our own cache entry, damaged beyond recognition
-                install(tmp, dest)
-            log.info("tarball %s unpacked to %s (%d files)", where, dest, len(plan.members))
-            return dest
+
+
+def zlib_error() -> type[BaseException]:
+    import zlib
+
+    return zlib.error
+
+
+def discard_unpacked(path: str | os.PathLike) -> bool:
+    """Remove an unpacked copy of a tarball (``cache_dir()/unpacked/<id>``), e.g. one whose files no
+    longer match its manifest, so the next unpack_tarball writes it again. Anything not directly
+    inside ``cache_dir()/unpacked`` (symlinks resolved for the parent only) is refused with a
+    StoreError; an entry that is a symlink is unlinked, never followed. True when something was
+    removed. Running models that map the old files keep them (unlinked files live on)."""
+    p = Path(os.path.abspath(os.fspath(path)))
+    root = unpacked_root()
+    if not re.fullmatch(r"[0-9a-f]{32}", p.name) or os.path.realpath(p.parent) != os.path.realpath(root):
+        raise StoreError(f"refusing to discard {p}: it is not an unpacked tarball in {root}")
+    entry = Path(root) / p.name
+    with build_lock(entry):
+        if not os.path.lexists(entry):
+            return False
+        _clear_entry(entry)
+    log.info("discarded the unpacked copy %s", entry)
+    return True
 
 
 def _unpacked_ok(dest: Path, plan: _TarPlan) -> bool:
-    """An earlier unpack of the same manifest is complete (sizes match; the loader checks sha256)."""
+    """An earlier unpack of this tarball is complete: a real directory holding the manifest and every
+    member as regular files of the right sizes (the loader checks their sha256)."""
+    import stat
+
     try:
-        if (dest / MANIFEST).read_bytes() != plan.manifest:
+        if dest.is_symlink() or not dest.is_dir() or not is_artifact_dir(dest) and _manifest_kind(dest / MANIFEST) \
+                is not _FOREIGN:
             return False
-        return all((dest / n).stat().st_size == m.size for n, m in plan.members.items())
+        names = {MANIFEST: len(plan.manifest or b""), **{n: m.size for n, m in plan.members.items()}}
+        for n, size in names.items():
+            st = os.lstat(dest / n)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                return False
+        if set(os.listdir(dest)) != set(names):
+            return False
+        return (dest / MANIFEST).read_bytes() == plan.manifest
     except OSError:
         return False

@@ -166,7 +166,8 @@ def test_generation_stops_when_the_context_is_full(tiny_model):
                                  dict(stop_strings="x"), dict(prefill_chunk=0), dict(repetition_penalty=0),
                                  dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature="1"),
                                  dict(max_new_tokens=True), dict(max_new_tokens=2.0), dict(top_p=float("nan")),
-                                 dict(seed=-1), dict(seed=1.5), dict(stop_ids=(1.0,)), dict(truncate_prompt="yes")])
+                                 dict(seed=-1), dict(seed=1.5), dict(stop_ids=(1.0,)), dict(truncate_prompt="yes"),
+                                 dict(temperature=1e-310), dict(repetition_penalty=1e-300)])
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         GenerationConfig(**bad)
@@ -193,6 +194,13 @@ def test_malformed_chat_messages(tiny_model):
     with pytest.raises(TypeError, match="GenerationConfig"):
         tiny_model.generate([1, 2], {"max_new_tokens": 3})
     assert list(tiny_model.generate(np.array([1, 2], np.int32), GenerationConfig(max_new_tokens=2)))  # numpy ints ok
+    assert GenerationConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5)).max_new_tokens == 3
+    with pytest.raises(ValueError, match="sequence of ints"):
+        tiny_model.generate({1: 2})
+    with pytest.raises(ValueError, match="stop_ids must be token ids"):
+        tiny_model.generate([1, 2], GenerationConfig(stop_ids=(10**30, -1)))
+    with pytest.raises(ValueError, match="chunk"):
+        tiny_model.perplexity([1, 2, 3], chunk=0)
 
 
 def test_user_text_cannot_inject_special_tokens(tiny_model):
