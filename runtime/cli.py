@@ -27,6 +27,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import sys
 import threading
 import time
@@ -60,6 +61,13 @@ def _int_in(lo: int, hi: int | None = None):
         return v
 
     return parse
+
+
+def _path(s: str) -> str:
+    """A path option: an empty one is an error, not "the default" (--out "" once built into the cache)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory")
+    return s
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False):
@@ -105,13 +113,31 @@ def _stats_line(st) -> str:
             f"first token {st.ttft_s * 1e3:.0f} ms, {st.decode_tokens_per_s:.1f} tok/s; {finish}]")
 
 
-def _read_text(path: str, option: str) -> str:
+MAX_TEXT_BYTES = 64 << 20  # a prompt or text file larger than this is refused before it is read
+
+
+def _read_text(path: str, option: str, tail: int | None = None) -> str:
+    """A regular UTF-8 file of at most MAX_TEXT_BYTES (/dev/zero, a FIFO or a huge file is refused without
+    reading it); tail: only its last ``tail`` bytes are read (from the first whole character on)."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CliError(f"{option} {path} is not a regular file")
+            if st.st_size > MAX_TEXT_BYTES and tail is None:
+                raise CliError(f"{option} {path} is {st.st_size / 2**20:.0f} MiB; at most {MAX_TEXT_BYTES >> 20} MiB "
+                               "(with --truncate-prompt only its end is read)")
+            if tail is not None and st.st_size > tail:
+                f.seek(st.st_size - tail)
+                data = f.read(tail)
+                data = data[next((i for i, b in enumerate(data[:4]) if b & 0xC0 != 0x80), 0):]  # whole chars only
+            else:
+                data = f.read(MAX_TEXT_BYTES + 1)
+        return data.decode("utf-8")
     except OSError as e:
         raise CliError(f"cannot read {option} {path}: {e.strerror or e}") from e
     except UnicodeDecodeError as e:
-        raise CliError(f"{option} {path} is not UTF-8 text (byte {e.start})") from e
+        raise CliError(f"{option} {path} is not UTF-8 text (byte {e.start})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +163,8 @@ def _load(args):
         return _load_default(args, kw)
     try:
         return runtime.load(args.artifact, **kw)
+    except runtime.UntrustedArtifact as e:  # a rebuild would not be signed by a trusted key either
+        raise CliError(str(e)) from e
     except runtime.ArtifactError as e:  # never rebuilt: it is the user's; say how
         raise CliError(f"{e}{_rebuild_hint(Path(args.artifact), args.board)}") from e
 
@@ -146,16 +174,17 @@ def _rebuild_hint(path: Path, board: str | None) -> str:
     import boards
     import runtime
 
-    if path.is_file() or (path.exists() and not path.is_dir()):
+    if (path.exists() and not path.is_dir()) or path.name.endswith((".tar", ".tar.gz", ".tgz")):
         return ""  # a tarball: it is rebuilt and packed where it was made
-    model, backend = runtime.DEFAULT_MODEL, runtime.default_backend()
+    # a damaged manifest no longer says which model it was: the user fills it in
+    model, backend = runtime.DEFAULT_MODEL if not path.exists() else "MODEL_OR_GGUF", runtime.default_backend()
     try:
         import yaml
 
         d = yaml.safe_load((path / MANIFEST).read_text(encoding="utf-8"))
         model = str(d["model"]["source"].get("registry_name") or model)
         backend = d["backend"] if d["backend"] in runtime.BACKENDS else backend
-    except Exception:  # noqa: BLE001 - a damaged manifest: the defaults are the best guess
+    except Exception:  # noqa: BLE001 - a damaged manifest: it no longer says which model it was
         pass
     try:
         board = board or boards.detect().name
@@ -276,9 +305,20 @@ def cmd_build(args) -> int:
 
 
 def _prompt_ids(model, text: str, args) -> list[int]:
-    msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
-    if args.truncate_prompt:  # the session keeps the newest tokens (and logs it)
-        return model.chat_ids(msgs) if args.chat else model.tokenizer.encode(text)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    msgs = system + [{"role": "user", "content": text}]
+    if args.truncate_prompt:  # keep the newest part of the text; with --chat the template stays whole
+        room = model.max_context - 1 - min(args.max_new_tokens, model.max_context // 2)
+        overhead = len(model.chat_ids(system + [{"role": "user", "content": ""}])) if args.chat else 0
+        if room - overhead < 1:
+            raise CliError(f"the chat template alone takes {overhead} of the {model.max_context}-token context")
+        ids = model.tokenizer.encode(text[-(room * 64):])  # no token is 64 characters: the tail is enough
+        if len(ids) > room - overhead:
+            print(f"[prompt truncated to its newest {room - overhead} tokens]", file=sys.stderr)
+            ids = ids[-(room - overhead):]
+        if not args.chat:
+            return ids
+        return model.chat_ids(system + [{"role": "user", "content": model.tokenizer.decode(ids)}])
     room = model.max_context - 1  # at least one position to generate into
     ids = model.tokenizer.encode(text, limit=model.max_context)  # stops early on a prompt that cannot fit
     if args.chat and len(ids) <= room:
@@ -296,7 +336,8 @@ def _prompt_ids(model, text: str, args) -> list[int]:
 def cmd_generate(args) -> int:
     if args.system is not None and not args.chat:
         raise CliError("--system needs --chat (a system message is part of the chat template)")
-    text = _read_text(args.prompt_file, "--prompt-file") if args.prompt_file is not None else args.prompt
+    tail = 64 * 1024 * 1024 if args.truncate_prompt else None  # only the end of a huge file can be kept
+    text = _read_text(args.prompt_file, "--prompt-file", tail) if args.prompt_file is not None else args.prompt
     if not text:
         raise CliError("the prompt is empty" + (f" ({args.prompt_file} has no text)" if args.prompt_file else ""))
     cfg = _config(args)
@@ -387,6 +428,8 @@ def cmd_perplexity(args) -> int:
     if not text:
         raise CliError(f"--text-file {args.text_file} is empty")
     model = _load(args)
+    if args.max_tokens is None:
+        args.max_tokens = min(512, model.max_context)
     if args.max_tokens > model.max_context:
         raise CliError(f"--max-tokens {args.max_tokens} exceeds the context of {model.max_context} positions; "
                        f"use --max-tokens {model.max_context} or less")
@@ -471,7 +514,7 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
                         "memory); onnxruntime: portable INT4 ONNX graph (default: %(default)s)")
     b.add_argument("--board", choices=board_names,
                    help="target board profile (default: this machine's: $BOARDTALK_BOARD or detected)")
-    b.add_argument("--out", metavar="DIR",
+    b.add_argument("--out", metavar="DIR", type=_path,
                    help="artifact directory, new, empty or an artifact (replaced atomically) (default: the cache's "
                         "artifact path for this model, backend and board)")
     b.add_argument("--scheme", default="q4_1-exact", choices=reg[1] if reg else None,
@@ -483,12 +526,12 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     b.add_argument("--max-context", type=_int_in(2), metavar="N",
                    help="positions the artifact supports, >= 2 (default: the board's, capped by the model's)")
-    b.add_argument("--sign-key", metavar="KEY",
+    b.add_argument("--sign-key", metavar="KEY", type=_path,
                    help="Ed25519 private key (from 'boardtalk keygen') to sign the manifest with (default: unsigned)")
     b.set_defaults(func=cmd_build)
 
     def run_options(sp, gen=True):
-        sp.add_argument("--artifact", metavar="PATH",
+        sp.add_argument("--artifact", metavar="PATH", type=_path,
                         help="artifact directory or tarball (default: the default model's artifact for this board, "
                              "built in the cache on first use)")
         sp.add_argument("--board", choices=board_names,
@@ -497,7 +540,7 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
                         help=f"compute threads, 1-{boards.MAX_THREADS} (default: the board's; host: every usable core)")
         sp.add_argument("--max-context", type=_int_in(2), metavar="N",
                         help="KV cache positions, >= 2 (default: the board's, capped by the artifact's)")
-        sp.add_argument("--trusted-keys", metavar="PATH",
+        sp.add_argument("--trusted-keys", metavar="PATH", type=_path,
                         help="a .pub file or a directory of them: load only artifacts signed by one of these keys "
                              "(default: $BOARDTALK_TRUSTED_KEYS, else /etc/boardtalk/trusted_keys/ if it exists, "
                              "else no signature check)")
@@ -524,7 +567,7 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
     run_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (this or --prompt-file is required)")
-    src.add_argument("--prompt-file", metavar="FILE",
+    src.add_argument("--prompt-file", metavar="FILE", type=_path,
                      help="UTF-8 file with the prompt text (this or --prompt is required)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as one user message in the model's chat template (default: continue the "
@@ -547,9 +590,9 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
     pp = sub.add_parser("perplexity", help="perplexity of a text file (one window from its start)",
                         description="Perplexity of the first --max-tokens tokens of a text file, as one window.")
     run_options(pp, gen=False)
-    pp.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text to score (required)")
-    pp.add_argument("--max-tokens", type=_int_in(2), default=512, metavar="N",
-                    help="tokens from the start of the file to score, 2 to the context size (default: %(default)s)")
+    pp.add_argument("--text-file", required=True, metavar="FILE", type=_path, help="UTF-8 text to score (required)")
+    pp.add_argument("--max-tokens", type=_int_in(2), metavar="N",
+                    help="tokens from the start of the file to score, 2 to the context size (default: 512, or the context if smaller)")
     pp.add_argument("--json", action="store_true",
                     help="print one JSON object instead of a line of text (default: text)")
     pp.set_defaults(func=cmd_perplexity)
@@ -557,15 +600,15 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="make an Ed25519 key pair for signing artifacts",
                        description="Write PREFIX.key (private, mode 0600) and PREFIX.pub (public: copy it to the "
                                    "boards that should trust artifacts signed with it). Needs 'cryptography'.")
-    k.add_argument("--out", required=True, metavar="PREFIX",
+    k.add_argument("--out", required=True, metavar="PREFIX", type=_path,
                    help="path prefix of the two files; existing files are never overwritten (required)")
     k.set_defaults(func=cmd_keygen)
 
     s = sub.add_parser("sign", help="sign an artifact's manifest with a private key",
                        description="Check every file of an artifact directory against its manifest, then write "
                                    "manifest.sig (Ed25519 over manifest.yaml).")
-    s.add_argument("--artifact", required=True, metavar="DIR", help="artifact directory to sign (required)")
-    s.add_argument("--key", required=True, metavar="KEY", help="private key from 'boardtalk keygen' (required)")
+    s.add_argument("--artifact", required=True, metavar="DIR", type=_path, help="artifact directory to sign (required)")
+    s.add_argument("--key", required=True, metavar="KEY", type=_path, help="private key from 'boardtalk keygen' (required)")
     s.set_defaults(func=cmd_sign)
     return p
 
@@ -606,6 +649,9 @@ def _silence_stdout() -> None:
 
 
 def main(argv=None) -> int:
+    if sys.stdout is None or sys.stderr is None:  # started with fd 1 or 2 closed (>&-): output would vanish
+        os.write(2, b"boardtalk: error: standard output is closed\n") if sys.stderr is not None else None
+        return 2
     try:
         args = build_parser(for_build="build" in (sys.argv[1:] if argv is None else argv)).parse_args(argv)
         logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],

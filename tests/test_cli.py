@@ -492,3 +492,43 @@ def test_user_errors_are_one_line_exit_2(error, monkeypatch, capsys, caplog):
     caplog.set_level("DEBUG", logger="runtime.cli")
     assert main(["-vv", "generate", "--artifact", "a", "--prompt", "hi"]) == 2
     assert any(r.exc_info and r.exc_info[1] is error for r in caplog.records)
+
+
+# ---- the hostile-user review -------------------------------------------------------------------
+
+def test_review_inputs_are_refused_in_one_line(tiny_artifacts, tmp_path):
+    """Review: --prompt-file /dev/zero read until the OOM killer came; --out "" and --artifact "" silently
+    meant the default (a build went into the real cache); perplexity's default 512 tokens failed on a
+    smaller context; a closed stdout swallowed the reply with exit 0."""
+    art = tiny_artifacts["native"]
+    cases = [(["generate", "--artifact", art, "--prompt-file", "/dev/zero"], "is not a regular file"),
+             (["build", "--out", ""], "argument --out: an empty path"),
+             (["generate", "--artifact", "", "--prompt", "x"], "argument --artifact: an empty path")]
+    for argv, msg in cases:
+        res = _cli(tmp_path, *argv)
+        assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, (argv, res.stderr)
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 400)
+    res = _cli(tmp_path, "perplexity", "--artifact", art, "--text-file", text, "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["n_tokens"] == 127  # the 128-token context
+    res = subprocess.run(f"{sys.executable} -m runtime.cli generate --artifact {art} --prompt hi --max-new-tokens 2 >&-",
+                         shell=True, capture_output=True, text=True, cwd=ROOT, env=_env(tmp_path))
+    assert res.returncode == 2 and "standard output is closed" in res.stderr
+
+
+def test_truncate_prompt_reads_only_the_end_of_a_huge_file(tiny_artifacts, tmp_path):
+    """Review: --truncate-prompt tokenized a whole 67 MB file (minutes), and with --chat cut the template's
+    start off. Now only the file's end is read, and the template stays whole."""
+    big = tmp_path / "big.txt"
+    with open(big, "w") as f:
+        for _ in range(80):
+            f.write("words and more words. " * 50_000)  # ~88 MB
+    t0 = time.monotonic()
+    res = _cli(tmp_path, "generate", "--artifact", tiny_artifacts["native"], "--prompt-file", big, "--truncate-prompt",
+               "--chat", "--max-new-tokens", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    assert time.monotonic() - t0 < 60  # was linear in the file: minutes for this one
+    ids = json.loads(res.stdout)["prompt_ids"]
+    assert ids[0] == 1 and len(ids) <= 128  # <|im_start|> first: the template is whole
+    res = _cli(tmp_path, "generate", "--artifact", tiny_artifacts["native"], "--prompt-file", big)
+    assert res.returncode == 2 and "MiB; at most 64 MiB" in res.stderr
