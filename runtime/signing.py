@@ -6,7 +6,10 @@ that trusts none loads unsigned artifacts as before.
 
 Files (docs/artifact-store.md):
 
-- private key: PKCS#8 PEM, unencrypted, mode 0600 (``generate_key``).
+- private key: PKCS#8 PEM, unencrypted, mode 0600 (``generate_key``); ``check_private_key`` validates
+  one without signing.
+- Key and signature files must be regular files of at most 64 KiB (read with a bounded read), so
+  a mistaken path such as /dev/zero or a FIFO is an error at once, never a hang.
 - public key (``*.pub``): one line ``boardtalk-ed25519 <base64 of the raw 32-byte key> [comment]``;
   blank lines and ``#`` comments are ignored, so one file may hold several keys.
 - ``manifest.sig`` beside manifest.yaml::
@@ -25,6 +28,7 @@ import binascii
 import hashlib
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -37,6 +41,8 @@ KEY_TAG = "boardtalk-ed25519"
 SIG_HEADER = "boardtalk-signature 1"
 ENV_KEYS = "BOARDTALK_TRUSTED_KEYS"
 DEFAULT_KEYS_DIR = Path("/etc/boardtalk/trusted_keys")
+MAX_KEY_FILE_BYTES = 64 << 10  # a key file is a few hundred bytes; /dev/zero or a FIFO is not one
+MAX_SIGNATURE_BYTES = 64 << 10
 
 
 class SignatureError(ValueError):
@@ -98,17 +104,70 @@ def generate_key(private_path: str | os.PathLike, public_path: str | os.PathLike
     return key_id(raw)
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def read_small_file(path: str | os.PathLike, what: str, limit: int = MAX_KEY_FILE_BYTES) -> bytes:
+    """The bytes of ``path``, which must be a regular file (symlinks to one are followed) of at most
+    ``limit`` bytes, read with a bounded read: /dev/zero, a FIFO or a 1 GiB file is a SignatureError
+    (one line) at once, never a hang or an out-of-memory. ``what`` names the file in messages."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise SignatureError(f"{what} {path} is {_kind(st.st_mode)}; expected a regular file")
+        # O_NONBLOCK: if the path became a FIFO since the stat, opening it must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise SignatureError(f"cannot read {what} {path}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)  # what was opened, not what the path named a moment ago
+        if not stat.S_ISREG(st.st_mode):
+            raise SignatureError(f"{what} {path} is {_kind(st.st_mode)}; expected a regular file")
+        if st.st_size > limit:
+            raise SignatureError(f"{what} {path} is {st.st_size} bytes, more than {limit} for a key file; wrong file?")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, limit + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as e:
+        raise SignatureError(f"cannot read {what} {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise SignatureError(f"{what} {path} is more than {limit} bytes (it grew while read); wrong file?")
+    return b"".join(chunks)
+
+
 def _load_private(path: Path):
     ed25519 = _ed25519()
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
 
+    data = read_small_file(path, "private key")
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (ValueError, TypeError) as e:
-        raise SignatureError(f"{path}: not an unencrypted PEM private key ({e})") from e
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+        msg = " ".join(str(e).split())[:200]
+        raise SignatureError(f"{path}: not an unencrypted PEM private key ({msg})") from e
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise SignatureError(f"{path}: a {type(key).__name__}, expected an Ed25519 private key")
     return key
+
+
+def check_private_key(path: str | os.PathLike) -> str:
+    """Load and validate a private signing key without signing anything; returns its key id.
+    For ``build --sign-key``: a missing, unreadable or wrong key fails before a long build.
+    Raises SignatureError (one line); ImportError without the 'cryptography' package."""
+    key = _load_private(Path(path))
+    return key_id(_raw_public(key.public_key()))
 
 
 def sign_manifest(art_dir: str | os.PathLike, private_key_path: str | os.PathLike) -> str:
@@ -145,15 +204,18 @@ def parse_public_keys(text: str, source: str) -> list[PublicKey]:
 
 
 def load_public_keys(path: str | os.PathLike) -> list[PublicKey]:
-    """Keys in one .pub file, or in every *.pub of a directory (sorted by name)."""
+    """Keys in one .pub file, or in every *.pub of a directory (sorted by name). Each must be a
+    regular file of at most 64 KiB (read_small_file); anything else is a SignatureError."""
     p = Path(path)
     files = sorted(p.glob("*.pub")) if p.is_dir() else [p]
     keys = []
     for f in files:
+        data = read_small_file(f, "trusted key file")
         try:
-            text = f.read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SignatureError(f"cannot read trusted key file {f}: {e}") from e
+            text = data.decode("ascii")
+        except UnicodeDecodeError as e:
+            raise SignatureError(f"trusted key file {f} is not ASCII text (byte {e.start}); "
+                                 f"expected '{KEY_TAG} <base64>' lines") from e
         keys += parse_public_keys(text, str(f))
     return keys
 
@@ -178,9 +240,9 @@ def trusted_keys() -> list[PublicKey]:
 
 def _read_signature(path: Path) -> tuple[str, bytes]:
     try:
-        lines = path.read_text(encoding="ascii").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SignatureError(f"{path}: unreadable ({e})") from e
+        lines = read_small_file(path, "signature file", MAX_SIGNATURE_BYTES).decode("ascii").splitlines()
+    except UnicodeDecodeError as e:
+        raise SignatureError(f"{path}: unreadable (not ASCII text)") from e
     fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
     try:
         if not lines or lines[0] != SIG_HEADER or fields.get("algorithm") != "ed25519":

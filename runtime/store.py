@@ -3,8 +3,9 @@
 Rules (docs/artifact-store.md says the same for users):
 
 - Never delete or overwrite anything that is not a boardtalk artifact. An output directory is
-  replaced only when it is new, empty, or an artifact (``is_artifact_dir``); otherwise the build
-  is refused with a message.
+  replaced only when it is new, empty, or an artifact (``is_artifact_dir``: its manifest.yaml is a
+  boardtalk manifest, or unparseable beside only names a build writes); otherwise the build is
+  refused with a message. Never build inside an artifact (``--out art/sub``).
 - Never write into an artifact that may be in use. Its files are memory-mapped by running models;
   truncating or rewriting one in place kills them with SIGBUS. A build writes a fresh staging
   directory beside the output and switches it in with one atomic rename (over a missing or empty
@@ -13,9 +14,11 @@ Rules (docs/artifact-store.md says the same for users):
   (unlinked inodes live until the last mapping goes); only writing into them is not.
 - Two builds of one output serialize on an flock beside it (``.<name>.lock``); staging dirs of
   builds that died (their pid is gone) are removed by the next build of that output.
-- A tarball is unpacked once per distinct manifest into ``cache_dir()/unpacked/<id>``, only after
-  every member header has been checked against the manifest (names, types, sizes), so a
-  decompression bomb is refused before any of its data is written.
+- A tarball is unpacked once per distinct tarball file (``<id>`` is from the sha256 of its bytes)
+  into ``cache_dir()/unpacked/<id>``, only after every member header has been checked against the
+  manifest (names, types, sizes), so a decompression bomb is refused before any of its data is
+  written, and a corrupt tarball never shares a directory with a good one.
+  ``discard_unpacked`` removes a copy that failed verification, so it is unpacked again.
 
 Board side: stdlib and pyyaml only; nothing here imports models/.
 """
@@ -32,6 +35,7 @@ import secrets
 import shutil
 import tarfile
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -483,11 +487,14 @@ def _copy_member(tf: tarfile.TarFile, m: tarfile.TarInfo, dest: Path) -> None:
 
 
 def _sha256_of_open_file(f) -> str:
+    """sha256 of the whole file; its position is left where it was (a decompressor reading it keeps
+    its place)."""
     h = hashlib.sha256()
+    pos = f.tell()
     f.seek(0)
     while chunk := f.read(1 << 22):
         h.update(chunk)
-    f.seek(0)
+    f.seek(pos)
     return h.hexdigest()
 
 
@@ -544,7 +551,7 @@ def unpack_tarball(path: str | os.PathLike) -> Path:
                     plan.check(m)
                     if plan.manifest is None and _member_name(m.name, where)[1] == MANIFEST and m.isreg():
                         plan.set_manifest(_read_member(tf, m, MAX_MANIFEST_BYTES, where))
-            except (tarfile.TarError, EOFError, OSError) as e:
+            except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
                 raise StoreError(f"tarball {where} is damaged: {e}") from e
             if plan.manifest is None:
                 raise StoreError(f"tarball {where} has no {MANIFEST}; is it a boardtalk artifact?")
@@ -571,7 +578,7 @@ def unpack_tarball(path: str | os.PathLike) -> Path:
                     try:
                         for name, m in plan.members.items():
                             _copy_member(tf, m, tmp / name)
-                    except (tarfile.TarError, EOFError, zlib_error()) as e:
+                    except (tarfile.TarError, EOFError, zlib.error) as e:
                         raise StoreError(f"tarball {where} is damaged: {e}") from e
                     if os.path.lexists(dest) and (dest.is_symlink() or not is_artifact_dir(dest)):
                         log.info("replacing the damaged cache entry %s", dest)
@@ -579,12 +586,6 @@ def unpack_tarball(path: str | os.PathLike) -> Path:
                     install(tmp, dest)
                 log.info("tarball %s unpacked to %s (%d files)", where, dest, len(plan.members))
                 return dest
-
-
-def zlib_error() -> type[BaseException]:
-    import zlib
-
-    return zlib.error
 
 
 def discard_unpacked(path: str | os.PathLike) -> bool:
@@ -612,8 +613,7 @@ def _unpacked_ok(dest: Path, plan: _TarPlan) -> bool:
     import stat
 
     try:
-        if dest.is_symlink() or not dest.is_dir() or not is_artifact_dir(dest) and _manifest_kind(dest / MANIFEST) \
-                is not _FOREIGN:
+        if dest.is_symlink() or not dest.is_dir():
             return False
         names = {MANIFEST: len(plan.manifest or b""), **{n: m.size for n, m in plan.members.items()}}
         for n, size in names.items():

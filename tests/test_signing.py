@@ -136,3 +136,106 @@ def test_signed_build_is_installed_with_its_signature(tiny_gguf, tmp_path, key):
     from runtime import store
 
     assert store.is_artifact_dir(out)  # manifest.sig is part of an artifact
+
+
+@pytest.fixture()
+def alarm():
+    """Fails a call that would block (a FIFO opened for reading waits for a writer) instead of hanging."""
+    import signal
+
+    def timeout(*_):
+        raise TimeoutError("blocked reading a key file")
+
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _sparse(path, size=1 << 30):
+    """A file of `size` bytes that costs no disk (what /dev/zero looked like to the old reader)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_trusted_keys_that_are_not_small_regular_files_are_refused(art, tmp_path, monkeypatch, alarm):
+    """CRASH (OOM): BOARDTALK_TRUSTED_KEYS=/dev/zero was read forever. Key files must be regular files of
+    at most 64 KiB, read with a bounded read; anything else is one line, at once."""
+    fifo = tmp_path / "fifo.pub"
+    os.mkfifo(fifo)
+    big = _sparse(tmp_path / "big.pub")
+    cases = {fifo: r"trusted key file \S*fifo.pub is a FIFO; expected a regular file",
+             big: r"trusted key file \S*big.pub is 1073741824 bytes, more than 65536 for a key file"}
+    if os.path.exists("/dev/null"):  # a character device, like /dev/zero (which is never read here)
+        cases["/dev/null"] = r"trusted key file /dev/null is a character device; expected a regular file"
+    for path, msg in cases.items():
+        monkeypatch.setenv(signing.ENV_KEYS, str(path))
+        with pytest.raises(SignatureError, match=msg) as e:
+            signing.check_artifact(art)
+        assert "\n" not in str(e.value)
+    d = tmp_path / "keys"  # a directory holding such a *.pub
+    d.mkdir()
+    os.rename(big, d / "big.pub")
+    monkeypatch.setenv(signing.ENV_KEYS, str(d))
+    with pytest.raises(SignatureError, match=r"big.pub is 1073741824 bytes"):
+        signing.trusted_keys()
+    (d / "big.pub").unlink()
+    os.mkfifo(d / "z.pub")
+    with pytest.raises(SignatureError, match=r"z.pub is a FIFO"):
+        signing.trusted_keys()
+    (d / "z.pub").unlink()
+    (d / "sub.pub").mkdir()
+    with pytest.raises(SignatureError, match=r"sub.pub is a directory"):
+        signing.trusted_keys()
+
+
+def test_private_keys_that_are_not_small_regular_files_are_refused(art, key, tmp_path, alarm):
+    """CRASH: `boardtalk sign --key /dev/zero` hung. A private key is read the same bounded way."""
+    fifo = tmp_path / "fifo.key"
+    os.mkfifo(fifo)
+    big = _sparse(tmp_path / "big.key")
+    for path, msg in {fifo: "private key .*fifo.key is a FIFO", big: "private key .*big.key is 1073741824 bytes",
+                      tmp_path: "is a directory", tmp_path / "missing.key": "cannot read private key .*missing.key: "
+                                                                            "No such file"}.items():
+        with pytest.raises(SignatureError, match=msg):
+            signing.sign_manifest(art, path)
+        with pytest.raises(SignatureError, match=msg):
+            signing.check_private_key(path)
+    assert not (art / "manifest.sig").exists()
+
+
+def test_check_private_key(key, tmp_path):
+    """build --sign-key must fail before a long build: check_private_key loads and validates a key
+    without signing anything, and returns its key id."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    kid, priv, pub = key
+    assert signing.check_private_key(priv) == kid
+    assert signing.check_private_key(str(priv)) == kid
+    with pytest.raises(SignatureError, match=r"fleet.pub: not an unencrypted PEM private key"):
+        signing.check_private_key(pub)
+    enc = tmp_path / "enc.key"
+    enc.write_bytes(ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")))
+    with pytest.raises(SignatureError, match=r"enc.key: not an unencrypted PEM private key"):
+        signing.check_private_key(enc)
+    other = tmp_path / "ec.key"
+    other.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    with pytest.raises(SignatureError, match=r"ec.key: a \w+, expected an Ed25519 private key"):
+        signing.check_private_key(other)
+    for bad in (pub, enc, other):
+        with pytest.raises(SignatureError) as e:
+            signing.check_private_key(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_a_huge_signature_file_is_refused_without_reading_it(art, key, tmp_path):
+    """CRASH (OOM), as for key files: manifest.sig is read with the same bounded read."""
+    _, priv, pub = key
+    _sparse(art / "manifest.sig")
+    with pytest.raises(SignatureError, match=r"signature file \S*manifest.sig is 1073741824 bytes"):
+        signing.verify_manifest(art, signing.load_public_keys(pub))

@@ -28,7 +28,8 @@ def _fake_artifact(d: Path, files: dict[str, bytes]) -> Path:
     for name, data in files.items():
         (d / name).write_bytes(data)
     listed = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}
-    (d / "manifest.yaml").write_text(yaml.safe_dump({"format_version": 2, "files": listed}))
+    (d / "manifest.yaml").write_text(yaml.safe_dump({"format_version": 2, "tool_version": "boardtalk test",
+                                                     "files": listed}))
     return d
 
 
@@ -119,6 +120,75 @@ def test_is_artifact_dir_rules(tmp_path):
     (nested / "weights.bin").mkdir()  # a directory where a file should be: not ours to delete
     assert not store.is_artifact_dir(nested)
     assert not store.is_artifact_dir(tmp_path / "missing")
+
+
+def test_build_refuses_a_directory_with_a_users_own_manifest(tiny_gguf, tmp_path):
+    """DATA LOSS: `build --out userproj` where userproj held the user's own manifest.yaml (a Kubernetes
+    ConfigMap) beside files named model.onnx / weights.bin replaced the directory: a manifest that is
+    valid YAML but not a boardtalk manifest fell back to the "only names a build writes" rule."""
+    user = tmp_path / "userproj"
+    user.mkdir()
+    mine = {"manifest.yaml": b"apiVersion: v1\nkind: ConfigMap\n", "model.onnx": b"my model", "weights.bin": b"mine"}
+    for n, b in mine.items():
+        (user / n).write_bytes(b)
+    assert not store.is_artifact_dir(user)
+    with pytest.raises(StoreError, match=r"refusing to replace \S*userproj: it is not a boardtalk artifact"):
+        _build(tiny_gguf, user)
+    assert {n: (user / n).read_bytes() for n in os.listdir(user)} == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["userproj"]  # no lock, no staging beside it
+
+
+@pytest.mark.parametrize("manifest, is_artifact", [
+    # parses as YAML, not a boardtalk manifest: never an artifact
+    ({"files": {"weights.bin": {"size": 4}}}, False),  # a `files` mapping alone is not enough
+    ({"format_version": 2, "tool_version": "helm 3", "files": {"weights.bin": {}}}, False),
+    ({"format_version": "2", "tool_version": "boardtalk 0.1.0", "files": {"weights.bin": {}}}, False),
+    ({"format_version": True, "tool_version": "boardtalk 0.1.0", "files": {"weights.bin": {}}}, False),
+    (["format_version", "tool_version"], False),
+    (b"", False),  # an empty file is valid YAML (null): not a boardtalk manifest
+    (b"just some text\n", False),
+    # a boardtalk manifest
+    ({"format_version": 2, "tool_version": "boardtalk 0.1.0", "files": {"weights.bin": {}}}, True),
+    ({"format_version": 2, "tool_version": "boardtalk 0.1.0"}, True),  # no `files`: damaged, build-written names
+    # unparseable (damaged artifact): only names a build writes
+    (b"format_version: 2\ntool_version: boardtalk 0.1.0\nfiles: {weights.bin: [", True),  # truncated
+    (b"\x00\x01\xff\xfe binary", True),
+])
+def test_is_artifact_dir_needs_a_boardtalk_manifest(tmp_path, manifest, is_artifact):
+    """DATA LOSS: is_artifact_dir accepted any YAML with a `files` mapping, and fell back to the
+    build-written-names rule for a manifest that parses but is not boardtalk's."""
+    d = tmp_path / "d"
+    d.mkdir()
+    data = manifest if isinstance(manifest, bytes) else yaml.safe_dump(manifest).encode()
+    (d / "manifest.yaml").write_bytes(data)
+    (d / "weights.bin").write_bytes(b"w")
+    assert store.is_artifact_dir(d) is is_artifact
+    if not is_artifact:
+        with pytest.raises(StoreError, match="not a boardtalk artifact"):
+            store.prepare_output(d)
+
+
+def test_build_refuses_inside_an_artifact(tiny_gguf, tmp_path):
+    """ARTIFACT DAMAGE: `--out nat/sub` where nat is an artifact created nat/sub and nat/.sub.lock
+    inside it, after which nat could never be rebuilt and its tarball was refused."""
+    nat = _fake_artifact(tmp_path / "nat", {"weights.bin": b"w" * 10})
+    before = sorted(os.listdir(nat))
+    for out in (nat / "sub", nat / "sub" / "deeper", nat / "weights.bin"):
+        with pytest.raises(StoreError, match=rf"refusing to build inside the artifact {nat}: choose a directory "
+                                             r"outside it"):
+            store.prepare_output(out)
+    with pytest.raises(StoreError, match="refusing to build inside the artifact"):
+        _build(tiny_gguf, nat / "sub")
+    (tmp_path / "link").symlink_to(nat)  # through a symlink to it, too
+    with pytest.raises(StoreError, match=rf"refusing to build inside the artifact {nat}:"):
+        store.prepare_output(tmp_path / "link" / "sub")
+    assert sorted(os.listdir(nat)) == before and store.is_artifact_dir(nat)
+    damaged = tmp_path / "damaged"  # a damaged artifact (unparseable manifest) is still one
+    damaged.mkdir()
+    (damaged / "manifest.yaml").write_bytes(b"files: {weights.bin: [")
+    with pytest.raises(StoreError, match="refusing to build inside the artifact"):
+        store.prepare_output(damaged / "sub")
+    assert store.prepare_output(tmp_path / "beside") == tmp_path / "beside"  # a sibling is fine
 
 
 def test_damaged_artifact_is_rebuilt(tiny_gguf, tmp_path):
@@ -404,6 +474,104 @@ def test_tarball_is_unpacked_once_and_reused(art_dir, tmp_path, cache):
     third = store.unpack_tarball(tar)
     assert third == first and third.stat().st_ino != inode
     _verified(third)
+
+
+def _tar_of(art: Path, path: Path, replace: dict[str, bytes] | None = None) -> Path:
+    """A tarball of the artifact directory `art` (manifest first), with some files' bytes replaced."""
+    with tarfile.open(path, "w:gz") as tf:
+        for p in sorted(art.iterdir(), key=lambda p: p.name != "manifest.yaml"):
+            data = (replace or {}).get(p.name, p.read_bytes())
+            ti = tarfile.TarInfo(p.name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return path
+
+
+def test_a_corrupt_tarball_does_not_poison_the_cache(art_dir, tmp_path, cache):
+    """WRONG BEHAVIOUR: after unpacking a tarball whose weights were zeroed (same size, same manifest),
+    the good tarball with that manifest was refused forever: the unpacked copy was keyed by the
+    manifest's sha256 and reused on matching sizes. Now keyed by the tarball's own sha256."""
+    from runtime.artifact import load_manifest
+
+    big = max((p for p in art_dir.iterdir() if p.name != "manifest.yaml"), key=lambda p: p.stat().st_size)
+    bad = _tar_of(art_dir, tmp_path / "bad.tar.gz", {big.name: bytes(big.stat().st_size)})
+    good = _tar_of(art_dir, tmp_path / "good.tar.gz")
+    bad_dir = store.unpack_tarball(bad)
+    with pytest.raises(ValueError, match="sha256"):
+        load_manifest(bad_dir, verify_files=True)
+    good_dir = store.unpack_tarball(good)
+    assert good_dir != bad_dir and good_dir.parent == bad_dir.parent == cache / "unpacked"
+    assert good_dir.name == hashlib.sha256(good.read_bytes()).hexdigest()[:32]
+    _verified(good_dir)
+    assert store.unpack_tarball(bad) == bad_dir and store.unpack_tarball(good) == good_dir  # each reused
+
+
+def test_discard_unpacked_then_unpack_again(art_dir, tmp_path, cache):
+    """WRONG BEHAVIOUR: an unpacked copy edited in place (same sizes) was reused forever; the loader now
+    calls discard_unpacked and unpacks once more when verification of the cached copy fails."""
+    from runtime.artifact import load_manifest
+
+    tar = _tar_of(art_dir, tmp_path / "art.tar.gz")
+    dest = store.unpack_tarball(tar)
+    big = max((p for p in dest.iterdir() if p.name != "manifest.yaml"), key=lambda p: p.stat().st_size)
+    with open(big, "r+b") as f:  # someone edited the cached copy: same size
+        f.write(b"\xff" * 16)
+    assert store.unpack_tarball(tar) == dest  # sizes match: reused, and the loader's sha256 check fails
+    with pytest.raises(ValueError, match="sha256"):
+        load_manifest(dest, verify_files=True)
+    assert store.discard_unpacked(dest) is True
+    assert not os.path.lexists(dest) and store.discard_unpacked(dest) is False
+    again = store.unpack_tarball(tar)
+    assert again == dest
+    _verified(again)
+
+    victim = _fake_artifact(tmp_path / "victim" / ("0" * 32), {"weights.bin": b"keep"})
+    for p in (victim, art_dir, cache / "unpacked" / "notes", cache / "unpacked", cache,
+              cache / "unpacked" / dest.name / "weights.bin", cache / "unpacked" / ".." / "unpacked2" / dest.name):
+        with pytest.raises(StoreError, match=r"refusing to discard .*: it is not an unpacked tarball in"):
+            store.discard_unpacked(p)
+    assert (victim / "weights.bin").read_bytes() == b"keep" and dest.is_dir()
+
+
+@pytest.mark.parametrize("entry", ["symlink", "dangling", "file", "empty-dir", "foreign-dir"])
+def test_a_cache_entry_that_is_not_a_directory_is_replaced(art_dir, tmp_path, cache, entry):
+    """WRONG BEHAVIOUR: a cache entry that was a symlink or a plain file failed with "Cannot call rmtree
+    on a symbolic link" / "Not a directory"; it is replaced (a symlink is unlinked, never followed)."""
+    tar = _tar_of(art_dir, tmp_path / "art.tar.gz")
+    dest = store.unpack_tarball(tar)
+    assert store.discard_unpacked(dest)
+    victim = _fake_artifact(tmp_path / "victim", {"weights.bin": b"keep"})
+    if entry == "symlink":
+        dest.symlink_to(victim)
+    elif entry == "dangling":
+        dest.symlink_to(tmp_path / "missing")
+    elif entry == "file":
+        dest.write_text("not a directory")
+    else:
+        dest.mkdir()
+        if entry == "foreign-dir":
+            (dest / "x").mkdir()
+            (dest / "manifest.yaml").write_text("kind: ConfigMap\n")
+    again = store.unpack_tarball(tar)
+    assert again == dest and not dest.is_symlink() and dest.is_dir()
+    _verified(again)
+    assert sorted(os.listdir(victim)) == ["manifest.yaml", "weights.bin"]
+    assert (victim / "weights.bin").read_bytes() == b"keep"
+    if entry == "symlink":  # and discard_unpacked unlinks a symlink entry, never its target
+        assert store.discard_unpacked(dest) and not os.path.lexists(dest)
+        dest.symlink_to(victim)
+        assert store.discard_unpacked(dest) and not os.path.lexists(dest)
+        assert (victim / "weights.bin").read_bytes() == b"keep"
+
+
+def test_an_unpacked_cache_that_is_a_file_is_refused_in_one_line(art_dir, tmp_path, cache):
+    tar = _tar_of(art_dir, tmp_path / "art.tar.gz")
+    cache.mkdir()
+    (cache / "unpacked").write_text("oops")
+    with pytest.raises(StoreError, match=rf"^{cache / 'unpacked'} is not a directory .*; delete it and try again$"):
+        store.unpack_tarball(tar)
+    (cache / "unpacked").unlink()
+    _verified(store.unpack_tarball(tar))
 
 
 def test_concurrent_unpacks_share_one_copy(art_dir, tmp_path, cache):
