@@ -60,6 +60,10 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     if backend == "native" and (scheme != "q4_1-exact" or embedding != "q8_0"):
         raise ValueError("the native backend runs GGUF Q4_1 weights as stored (--scheme q4_1-exact --embedding q8_0)")
     out_dir = store.prepare_output(out_dir)  # refuse a bad out_dir before any download
+    if sign_key is not None:  # and a key that cannot sign, before the long part
+        from runtime.signing import check_private_key
+
+        check_private_key(sign_key)
     t0 = time.monotonic()
     gguf_path = resolve_gguf(model)
     src = read_gguf(gguf_path)

@@ -61,9 +61,8 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     """
     import boards
 
-    from .artifact import FileVerifier, load_manifest, open_artifact, read_manifest_bytes
+    from .artifact import load_manifest, open_artifact, read_manifest_bytes
     from .backends import open_backend
-    from .tokenizer import Tokenizer
 
     t0 = time.monotonic()
     if threads is not None:
@@ -83,13 +82,18 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     ctx = min(max_context or profile.max_context, m.max_context)
     if max_context and max_context > m.max_context:
         log.warning("max_context %d exceeds the artifact's %d; using %d", max_context, m.max_context, ctx)
-    verifier = FileVerifier(art, m)  # every file's size and sha256, before anything runs
     try:
-        tok = Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ArtifactError(f"{m.tokenizer_file}: {e}") from None
-    finally:
-        verifier.wait_all()
+        tok = _verify(art, m)
+    except ArtifactError:
+        if art == Path(artifact_dir):
+            raise
+        # an unpacked copy of a tarball that no longer matches (edited in the cache): unpack it once more
+        from .store import discard_unpacked
+
+        log.warning("unpacked copy %s of %s is damaged; unpacking it again", art, artifact_dir)
+        discard_unpacked(art)
+        art = open_artifact(artifact_dir)
+        tok = _verify(art, m)
     if tok.vocab_size != m.architecture.vocab:
         raise ArtifactError(f"{m.tokenizer_file} has {tok.vocab_size} tokens, the manifest's vocab is "
                             f"{m.architecture.vocab}")
@@ -99,6 +103,23 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
     log.info("loaded %s (%s, %s) for %s in %.2f s; KV cache %d positions x %d B", m.model_name, m.backend,
              m.quantization.scheme, profile.name, time.monotonic() - t0, ctx, model.cache.bytes_per_position)
     return model
+
+
+def _verify(art: Path, m: Manifest):
+    """Every listed file's size and sha256, in background threads, before anything runs; returns the
+    tokenizer (read as soon as its own file is verified)."""
+    from .artifact import FileVerifier
+    from .tokenizer import Tokenizer
+
+    verifier = FileVerifier(art, m)
+    try:
+        return Tokenizer(verifier.wait(m.tokenizer_file).read_text(encoding="utf-8"))
+    except ValueError as e:
+        if isinstance(e, ArtifactError):
+            raise
+        raise ArtifactError(f"{m.tokenizer_file}: {e}") from None
+    finally:
+        verifier.wait_all()
 
 
 def _check_signature(art: Path, data: bytes, trusted_keys) -> None:

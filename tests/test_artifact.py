@@ -153,3 +153,22 @@ def test_native_index_of_an_older_format_asks_for_a_rebuild(tiny_artifacts, tmp_
     write_manifest(d, m, files[0])
     with pytest.raises(ValueError, match=r"native\.json: format \? .* rebuild the artifact"):
         runtime.load(d)
+
+
+def test_damaged_unpacked_copy_of_a_tarball_is_unpacked_again(art, tmp_path, monkeypatch):
+    """Review: a cached unpacked copy that no longer matched its manifest made its tarball unloadable for
+    good; the loader now discards it and unpacks once more."""
+    monkeypatch.setenv("BOARDTALK_CACHE", str(tmp_path / "cache"))
+    tar = tmp_path / "a.tar.gz"
+    with tarfile.open(tar, "w:gz") as tf:
+        tf.add(art / "manifest.yaml", arcname="tiny/manifest.yaml")
+        for f in sorted(art.iterdir()):
+            if f.name != "manifest.yaml":
+                tf.add(f, arcname=f"tiny/{f.name}")
+    m = runtime.load(tar)
+    unpacked = next((tmp_path / "cache" / "unpacked").iterdir())
+    graph = unpacked / m.manifest.graph_file
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    assert runtime.load(tar).manifest.model_name == "tiny-random-llama"
