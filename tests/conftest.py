@@ -15,6 +15,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "board: needs a real Pi 5 / Jetson board")
     config.addinivalue_line("markers", "kernels: compiles C (host, and aarch64 cross + qemu-user)")
     config.addinivalue_line("markers", "install: makes a fresh venv and pip-installs the package (PyPI or pip's cache)")
+    config.addinivalue_line("markers", "voice: runs the real voice engines (models from PyPI wheels)")
 
 
 @pytest.fixture(scope="session")

@@ -98,3 +98,6 @@ def open_engine(kind: str, name: str | None = None, **kw):
         raise ValueError(f"unknown {kind} engine {name!r}; known: {', '.join(names(kind)) or 'none'}")
     mod = importlib.import_module(f"runtime.voice.{info.module}")
     return getattr(mod, info.cls)(**kw)
+
+
+register(EngineInfo("vad", "silero", "vad", "SileroVAD", "MIT", "Silero VAD v6 ONNX (silero-vad wheel), onnxruntime, 1 thread", default=True))

