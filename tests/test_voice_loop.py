@@ -1,0 +1,159 @@
+"""The voice loop's turn logic in file mode, with scripted engines around the real (tiny) LLM: the order and
+size of every latency, speculation and its restart, the hangover, barge-in, and the file mode's WAV I/O.
+The real engines are tested in tests/test_voice_engines.py and end to end in tests/test_voice_e2e.py."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime.voice.engines import SAMPLE_RATE, Transcript
+from runtime.voice.filemode import read_wav, resample, run_file, write_wav
+from runtime.voice.pipeline import VoiceConfig
+
+SR = SAMPLE_RATE
+
+
+class EnergyVAD:
+    name = "energy"
+
+    def reset(self):
+        pass
+
+    def __call__(self, window):
+        return 1.0 if np.sqrt((window.astype(np.float64) ** 2).mean()) > 0.01 else 0.0
+
+
+class ScriptedASR:
+    """Says how many seconds of tone it heard, after a fixed compute time."""
+    name = "scripted"
+
+    def __init__(self, delay=0.06):
+        self.delay, self.calls = delay, 0
+
+    def reset(self):
+        pass
+
+    def warmup(self):
+        pass
+
+    def transcribe(self, audio):
+        self.calls += 1
+        time.sleep(self.delay)
+        voiced = np.sum(np.abs(audio) > 0.05) / SR
+        return Transcript(text=f"a question of {voiced:.1f} seconds", audio_s=len(audio) / SR)
+
+
+class ToneTTS:
+    name, sample_rate = "tone", 24000
+
+    def __init__(self, per_word=0.05):
+        self.per_word = per_word
+
+    def warmup(self):
+        pass
+
+    def synthesize(self, text):
+        time.sleep(0.01)
+        n = int(self.per_word * len(text.split()) * self.sample_rate) + 1
+        return (0.3 * np.sin(np.arange(n) * 2 * np.pi * 440 / self.sample_rate)).astype(np.float32)
+
+
+def _wav(tmp_path, parts, rate=SR, stereo=False, name="in.wav"):
+    """parts: [(seconds, voiced?)]: tones for speech, zeros for silence."""
+    xs = []
+    for sec, voiced in parts:
+        n = int(sec * rate)
+        xs.append(0.4 * np.sin(np.arange(n) * 2 * np.pi * 220 / rate) if voiced else np.zeros(n))
+    x = np.concatenate(xs).astype(np.float32)
+    if stereo:
+        x = np.stack([x, x], 1).reshape(-1)
+    path = tmp_path / name
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2 if stereo else 1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((x * 32767).astype("<i2").tobytes())
+    return path
+
+
+@pytest.fixture()
+def model(tiny_artifacts):
+    return runtime.load(tiny_artifacts["native"])
+
+
+def _run(model, path, tmp_path, per_word=0.05, **cfg):
+    cfg = VoiceConfig(system="be brief", max_new_tokens=24, **cfg)
+    return run_file(model, EnergyVAD(), ScriptedASR(), ToneTTS(per_word), path, tmp_path / "out.wav", cfg,
+                    tmp_path / "report.json", tail_s=10)
+
+
+def test_two_turns_with_ordered_latencies(model, tmp_path):
+    path = _wav(tmp_path, [(0.4, False), (1.0, True), (1.2, False), (0.7, True), (0.6, False)], rate=44100, stereo=True)
+    rep = _run(model, path, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text()) == json.loads(json.dumps(rep))
+    turns = rep["turns"]
+    assert len(turns) == 2, turns
+    for tr, (start, end) in zip(turns, [(0.4, 1.4), (2.6, 3.3)]):
+        assert abs(tr["speech_start_s"] - start) < 0.1 and abs(tr["speech_end_s"] - end) < 0.05, tr
+        assert tr["speech_end_s"] < tr["transcript_final_s"] <= tr["first_token_s"] < tr["first_audio_s"]
+        assert tr["end_of_turn_s"] <= tr["first_audio_s"]
+        hang = tr["end_of_turn_s"] - tr["speech_end_s"]
+        assert 0.25 <= hang <= 0.25 + 0.07  # the hangover, to a window
+        assert tr["transcript"].startswith("a question of") and tr["reply_text"]
+        # the final pass started at the first silent window, not after the hangover
+        assert tr["transcript_final_s"] - tr["speech_end_s"] < 0.25
+        assert tr["speculative_restarts"] == 0 and tr["partial_passes"] >= 1
+    assert turns[1]["prefill_reused_tokens"] > 0  # the system prompt and turn 1 were cached
+    out, rate = read_wav(tmp_path / "out.wav")
+    assert rate == 24000
+    first = np.nonzero(np.abs(out) > 0.01)[0][0] / rate
+    assert abs(first - turns[0]["first_audio_s"]) < 0.01  # written where it was handed over
+
+
+def test_a_pause_shorter_than_the_hangover_restarts_the_speculation(model, tmp_path):
+    """Speech resumes 160 ms after a pause: the speculative answer is cancelled and never heard."""
+    path = _wav(tmp_path, [(0.3, False), (0.8, True), (0.16, False), (0.8, True), (0.8, False)])
+    rep = _run(model, path, tmp_path)
+    assert len(rep["turns"]) == 1
+    tr = rep["turns"][0]
+    assert tr["speculative_restarts"] >= 1 and float(tr["transcript"].split()[3]) >= 1.4  # both parts heard
+    assert tr["first_audio_s"] > tr["speech_end_s"] > 2.0
+
+
+def test_noise_bursts_are_not_turns(model, tmp_path):
+    path = _wav(tmp_path, [(0.3, False), (0.064, True), (0.8, False)])
+    assert _run(model, path, tmp_path)["turns"] == []
+
+
+def test_barge_in_stops_the_reply_and_keeps_only_what_was_heard(model, tmp_path):
+    """Speech during playback (file mode has no echo, so barge-in is on) cuts the reply within a window
+    or two; the history keeps only the words that were played."""
+    path = _wav(tmp_path, [(0.3, False), (0.8, True), (0.45, False), (0.6, True), (1.5, False)])
+    rep = _run(model, path, tmp_path, per_word=0.5, barge_in=True, barge_in_s=0.1)
+    assert len(rep["turns"]) == 2
+    first = rep["turns"][0]
+    assert first["interrupted"] and first["first_audio_s"] < 1.65
+    out, rate = read_wav(tmp_path / "out.wav")
+    loud = np.nonzero(np.abs(out) > 0.01)[0] / rate
+    cut = 1.55 + 0.1  # speech resumes at 1.55 s; barge-in needs 0.1 s of it
+    assert not np.any((loud > cut + 0.05) & (loud < rep["turns"][1]["first_audio_s"] - 0.01))
+
+
+def test_wav_io_and_resampling(tmp_path):
+    x = (0.5 * np.sin(np.arange(44100) * 2 * np.pi * 1000 / 44100)).astype(np.float32)
+    write_wav(tmp_path / "a.wav", x, 44100)
+    y, rate = read_wav(tmp_path / "a.wav")
+    assert rate == 44100 and np.abs(y - x).max() < 1e-4
+    z = resample(y, 44100, 16000)
+    assert abs(len(z) - 16000) <= 2
+    spec = np.abs(np.fft.rfft(z[2000:14000]))
+    assert abs(np.argmax(spec) * 16000 / 12000 - 1000) < 5
+    (tmp_path / "bad.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")
+    with pytest.raises(ValueError, match="no fmt or data"):
+        read_wav(tmp_path / "bad.wav")
+    with pytest.raises(ValueError, match="not a WAV"):
+        read_wav(tmp_path / "a.wav.txt") if (tmp_path / "a.wav.txt").write_text("x") else None
