@@ -101,3 +101,5 @@ def open_engine(kind: str, name: str | None = None, **kw):
 
 
 register(EngineInfo("vad", "silero", "vad", "SileroVAD", "MIT", "Silero VAD v6 ONNX (silero-vad wheel), onnxruntime, 1 thread", default=True))
+register(EngineInfo("asr", "whisper-tiny-en", "asr", "WhisperASR", "MIT", "Whisper tiny.en, CTranslate2 int8, trimmed mel (audio + 2 s), timestamp mode", default=True))
+register(EngineInfo("asr", "whisper-tiny-en-padded", "asr", "PaddedWhisperASR", "MIT", "Whisper tiny.en, CTranslate2, mel padded to 30 s as faster-whisper does (slow anchor)"))
