@@ -20,7 +20,7 @@ import runtime
 from runtime.cli import BUILD_EXTRA, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("build", "generate", "chat", "perplexity", "keygen", "sign")
+COMMANDS = ("build", "generate", "chat", "perplexity", "keygen", "sign", "voice")
 STATS = rb"\[(\d+) prompt tokens \((\d+) cached\), (\d+) new; [^\]\n]*; ([a-z ]+)\]"
 
 
