@@ -223,6 +223,76 @@ def test_padded_asr_alternative(espeak):
     assert padded.features(espeak(text)).shape == (1, 80, 3000)
 
 
+# -- TTS ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tts():
+    engine = open_engine("tts")
+    engine.warmup()
+    return engine
+
+
+def _check_speech(audio: np.ndarray, sr: int, text: str):
+    assert audio.dtype == np.float32 and audio.ndim == 1 and np.isfinite(audio).all()
+    assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 0.01  # not silent
+    seconds, words = len(audio) / sr, len(text.split())
+    assert 0.15 * words <= seconds <= 0.2 + 1.0 * words, (seconds, words)  # 1..6.7 words per second
+
+
+def test_tts_speaks_and_asr_hears_it(tts, asr):
+    assert tts.name == "hibari" and tts.sample_rate == 24000
+    firsts = []
+    for _ in range(5):  # first audio of a short clause: what the listener waits for
+        t0 = time.perf_counter()
+        tts.synthesize("Sure, here it is.")
+        firsts.append(time.perf_counter() - t0)
+    text = "Turn off the lights in the kitchen, please."
+    t0 = time.perf_counter()
+    audio = tts.synthesize(text)
+    sentence_s = time.perf_counter() - t0
+    _check_speech(audio, tts.sample_rate, text)
+    heard = asr.transcribe(resample(audio, tts.sample_rate)).text
+    print(f"TTS hibari: first audio of a short clause {np.median(firsts) * 1e3:.0f} ms median, a sentence "
+          f"{sentence_s * 1e3:.0f} ms for {len(audio) / tts.sample_rate:.2f} s; ASR heard {heard!r}")
+    assert wer(text, heard) <= 0.25, heard
+    for k in ("lights", "kitchen"):
+        assert k in heard.lower(), heard
+
+
+def test_tts_clip_through_vad(tts, vad):
+    """A TTS-made clip with silence around it: the VAD finds one segment where the energy says the speech is."""
+    from runtime.voice.vad import speech_segments
+
+    speech = resample(tts.synthesize("Remind me to call my sister tomorrow."), tts.sample_rate)
+    pad = np.zeros(SAMPLE_RATE, np.float32)
+    vad.reset()
+    segs = speech_segments(vad.probabilities(np.concatenate([pad, speech, pad])))
+    s, e = energy_bounds(speech)
+    assert len(segs) == 1 and abs(segs[0][0] - (1 + s)) <= 0.1 and abs(segs[0][1] - (1 + e)) <= 0.1, (segs, s, e)
+
+
+def test_tts_same_seed_same_audio(tts):
+    np.testing.assert_array_equal(tts.synthesize("Hello there."), tts.synthesize("Hello there."))
+
+
+def test_piper_without_its_package_says_how_to_install(monkeypatch):
+    import sys
+
+    assert "piper" in names("tts")
+    monkeypatch.setitem(sys.modules, "piper", None)
+    with pytest.raises(ImportError, match=r"boardtalk\[voice-gpl\]"):
+        open_engine("tts", "piper")
+
+
+def test_piper_round_trip(asr):
+    pytest.importorskip("piper", reason="piper-tts is GPL-3.0 and opt-in: pip install 'boardtalk[voice-gpl]'")
+    piper = open_engine("tts", "piper")
+    text = "What is the weather like in London today?"
+    audio = piper.synthesize(text)
+    _check_speech(audio, piper.sample_rate, text)
+    heard = asr.transcribe(resample(audio, piper.sample_rate)).text
+    assert wer(text, heard) <= 0.25, heard
+
+
 # -- assets -----------------------------------------------------------------------------------------------
 def test_asset_refetches_corrupt_file_and_honours_env_dir(tmp_path, monkeypatch):
     from runtime.voice import assets

@@ -103,3 +103,5 @@ def open_engine(kind: str, name: str | None = None, **kw):
 register(EngineInfo("vad", "silero", "vad", "SileroVAD", "MIT", "Silero VAD v6 ONNX (silero-vad wheel), onnxruntime, 1 thread", default=True))
 register(EngineInfo("asr", "whisper-tiny-en", "asr", "WhisperASR", "MIT", "Whisper tiny.en, CTranslate2 int8, trimmed mel (audio + 2 s), timestamp mode", default=True))
 register(EngineInfo("asr", "whisper-tiny-en-padded", "asr", "PaddedWhisperASR", "MIT", "Whisper tiny.en, CTranslate2, mel padded to 30 s as faster-whisper does (slow anchor)"))
+register(EngineInfo("tts", "hibari", "tts", "HibariTTS", "Apache-2.0", "hibari 0.2.1 (Kokoro-distilled, 7.9 MB ONNX, no espeak), voice heart, 24 kHz", default=True))
+register(EngineInfo("tts", "piper", "tts", "PiperTTS", "GPL-3.0", "Piper en_US joe medium, 22.05 kHz; opt-in: pip install 'boardtalk[voice-gpl]'"))
