@@ -34,6 +34,16 @@ def _lazy_zeros(shape, dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape)
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class ContextOverflow(ValueError):
     """A prompt (plus what is already cached) does not fit the cache."""
 
@@ -116,9 +126,4 @@ class KVCache:
 
     def common_prefix(self, ids) -> int:
         """Length of the longest common prefix of ``ids`` and the cached tokens."""
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)

@@ -17,6 +17,7 @@ the first ``next()``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .kv_cache import ContextOverflow
+from .kv_cache import ContextOverflow, common_prefix
 from .sampling import GenerationConfig, Sampler
 from .tokenizer import validate_messages
 
@@ -135,6 +136,17 @@ class Session:
             raise SessionBusy("this generation was superseded: a newer generate/chat/reset on the same session "
                               "changed its KV cache (finish or close a generation before starting the next)")
 
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """A standalone step (prefill, logits, rewind, ...): supersedes any unfinished generation and holds
+        the session while it runs, in one acquisition of the lock."""
+        self._enter(None)
+        try:
+            self._owner = object()
+            yield
+        finally:
+            self._lock.release()
+
     def _claim(self) -> object:
         """Make a new owner (superseding any unfinished generation) while no step is running."""
         self._enter()
@@ -165,35 +177,23 @@ class Session:
     def prefill(self, ids, chunk: int = 256, cancel: CancelToken | None = None) -> np.ndarray:
         """Feed ids after what is cached; returns the logits (vocab,) of the last one."""
         ids = self.model.check_ids(ids)
-        self._claim()
-        self._enter(None)
-        try:
+        with self._exclusive():
             return self._prefill(ids, chunk, cancel)
-        finally:
-            self._lock.release()
 
     def logits(self, ids) -> np.ndarray:
         """Feed ids after what is cached; returns the logits (len(ids), vocab) float32 of every one."""
         ids = self.model.check_ids(ids)
-        self._claim()
-        self._enter(None)
-        try:
+        with self._exclusive():
             return self._forward(ids, 0)
-        finally:
-            self._lock.release()
 
     def decode_step(self, token_id: int) -> np.ndarray:
         ids = self.model.check_ids([token_id])
-        self._claim()
-        self._enter(None)
-        try:
+        with self._exclusive():
             return self._forward(ids, 0)[-1]
-        finally:
-            self._lock.release()
 
     def rewind_to(self, n: int) -> None:
-        self._claim()
-        self.model.backend.rewind(self.cache, n)
+        with self._exclusive():
+            self.model.backend.rewind(self.cache, n)
 
     def reset(self) -> None:
         """Forget all cached KV (an unfinished generation on this session is superseded)."""
@@ -256,7 +256,7 @@ class Session:
         computing everything after the cut again."""
         drop = len(before) - len(ids)
         if drop > 0:
-            p = _common_prefix(before, ids)
+            p = common_prefix(before, ids)
             m = self.cache.common_prefix(before)
             if m > p + drop and before[:p] == ids[:p] and before[p + drop :] == ids[p:]:
                 self.model.backend.rewind(self.cache, m)
@@ -384,15 +384,11 @@ class Session:
     def warm_prefix(self, messages: list[dict]) -> int:
         """Prefill the template's rendering of fixed leading messages (a system prompt) so turns start from it."""
         ids = self.chat_ids(messages, add_generation_prompt=False)
-        self._claim()
-        self._enter(None)
-        try:
+        with self._exclusive():
             n = self.cache.common_prefix(ids)
             self.model.backend.rewind(self.cache, n)
             if n < len(ids):
                 self._prefill(ids[n:], 256, None)
-        finally:
-            self._lock.release()
         return len(ids)
 
     def perplexity(self, ids, chunk: int = 256) -> tuple[float, int]:
@@ -404,9 +400,7 @@ class Session:
             raise ValueError("perplexity needs at least 2 tokens")
         if len(ids) > self.max_context:
             raise ContextOverflow(f"{len(ids)} tokens exceed the context of {self.max_context}")
-        self._claim()
-        self._enter(None)
-        try:
+        with self._exclusive():
             self.model.backend.rewind(self.cache, 0)
             nll = 0.0
             for i in range(0, len(ids), chunk):
@@ -417,8 +411,6 @@ class Session:
                 m = lg.max(-1, keepdims=True)
                 lse = (m + np.log(np.exp(lg - m).sum(-1, keepdims=True)))[:, 0]
                 nll += float((lse - lg[np.arange(len(targets)), targets]).sum())
-        finally:
-            self._lock.release()
         n = len(ids) - 1
         return float(np.exp(nll / n)), n
 
@@ -430,15 +422,6 @@ def _check_args(config, cancel, vocab: int) -> None:
         raise ValueError(f"stop_ids must be token ids in [0, {vocab}), got {config.stop_ids!r:.60}")
     if cancel is not None and not isinstance(cancel, CancelToken):
         raise TypeError(f"cancel must be a CancelToken or None, got {type(cancel).__name__}")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _find_stop(text: str, stops) -> int | None:
