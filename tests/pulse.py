@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import time
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -61,12 +60,9 @@ def missing_tools() -> list[str]:
 
 def write_wav(path, audio: np.ndarray, rate: int = RATE) -> Path:
     """16-bit mono WAV (paplay reads it; 16 kHz so the server does not resample)."""
-    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
+    from runtime.voice.filemode import write_wav as write
+
+    write(path, audio, rate)
     return Path(path)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.tokenizer import _byte_decoder
 from runtime.voice.assets import asset_dir
 from runtime.voice.engines import SAMPLE_RATE, Transcript
 
@@ -96,19 +97,6 @@ def log_mel(audio: np.ndarray, n_frames: int | None = None) -> np.ndarray:
 
 
 # -- tokens -----------------------------------------------------------------------------------------------
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte <-> printable-unicode map, inverted (what byte-level BPE tokens are spelled in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 class Vocabulary:
     """Token id -> text for Whisper's byte-level BPE, from CTranslate2's vocabulary.txt (one token a line)."""
 
@@ -122,7 +110,7 @@ class Vocabulary:
             if i >= len(self.tokens) or self.tokens[i] != tok:
                 raise ValueError(f"{path}: token {i} should be {tok}, found "
                                  f"{self.tokens[i] if i < len(self.tokens) else 'nothing'} (not Whisper English-only)")
-        self._bytes = _byte_decoder()
+        self._bytes = _byte_decoder()  # GPT-2's byte-level spelling, the LLM tokenizer's table
 
     def decode(self, ids) -> str:
         data = bytearray()
