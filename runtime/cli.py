@@ -20,6 +20,7 @@ pipeline with ``set -o pipefail`` can still tell that the output was cut short.
 from __future__ import annotations
 
 import argparse
+import importlib
 import contextlib
 import json
 import logging
@@ -40,6 +41,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 BUILD_EXTRA = "boardtalk build needs the build extra: pip install 'boardtalk[build]'"
 MANIFEST = "manifest.yaml"
+# Modules with add_commands(subparsers): each registers its own commands, options and handlers; they
+# import from here only the option types, run_options, _load and CliError.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class CliError(Exception):
@@ -513,6 +517,43 @@ def cmd_sign(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # Parser
 
+def run_options(sp, gen=True) -> None:
+    """Options of every command that loads an artifact (gen: also the generation options)."""
+    import boards
+
+    board_names = list(boards.PROFILES)
+    sp.add_argument("--artifact", metavar="PATH", type=_path,
+                    help="artifact directory or tarball (default: the default model's artifact for this board, "
+                         "built in the cache on first use)")
+    sp.add_argument("--board", choices=board_names,
+                    help="run as this board profile (default: $BOARDTALK_BOARD or detected)")
+    sp.add_argument("--threads", type=_int_in(1, boards.MAX_THREADS), metavar="N",
+                    help=f"compute threads, 1-{boards.MAX_THREADS} (default: the board's; host: every usable core)")
+    sp.add_argument("--max-context", type=_int_in(2), metavar="N",
+                    help="KV cache positions, >= 2 (default: the board's, capped by the artifact's)")
+    sp.add_argument("--trusted-keys", metavar="PATH", type=_path,
+                    help="a .pub file or a directory of them: load only artifacts signed by one of these keys "
+                         "(default: $BOARDTALK_TRUSTED_KEYS, else /etc/boardtalk/trusted_keys/ if it exists, "
+                         "else no signature check)")
+    if gen:
+        sp.add_argument("--max-new-tokens", type=_int_in(1), default=256, metavar="N",
+                        help="most tokens to generate per reply, >= 1 (default: %(default)s)")
+        sp.add_argument("--temperature", type=_float_in(0, 100), default=0.0, metavar="T",
+                        help="sampling temperature in [0, 100]; 0 = greedy, deterministic (default: %(default)s)")
+        sp.add_argument("--top-k", type=_int_in(0), default=0, metavar="K",
+                        help="sample from the K most likely tokens only; 0 = off (default: %(default)s)")
+        sp.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, metavar="P",
+                        help="nucleus sampling: the smallest set of tokens with probability P, in (0, 1]; "
+                             "1 = off (default: %(default)s)")
+        sp.add_argument("--repetition-penalty", type=_float_in(0, 100, lo_open=True), default=1.0, metavar="R",
+                        help="> 1 discourages tokens already seen, in (0, 100]; 1 = off (default: %(default)s)")
+        sp.add_argument("--seed", type=_int_in(0, 2**64 - 1), metavar="N",
+                        help="sampling seed, for repeatable output with --temperature > 0 (default: random)")
+        sp.add_argument("--stop", action="append", type=_nonempty, metavar="TEXT",
+                        help="stop when the reply produces TEXT (not printed); repeatable (default: only the "
+                             "model's end-of-turn tokens stop)")
+
+
 def _build_registries():
     """(model names, schemes, embedding schemes) from models/, or None when models/ is not installed."""
     try:
@@ -568,38 +609,6 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--sign-key", metavar="KEY", type=_path,
                    help="Ed25519 private key (from 'boardtalk keygen') to sign the manifest with (default: unsigned)")
     b.set_defaults(func=cmd_build)
-
-    def run_options(sp, gen=True):
-        sp.add_argument("--artifact", metavar="PATH", type=_path,
-                        help="artifact directory or tarball (default: the default model's artifact for this board, "
-                             "built in the cache on first use)")
-        sp.add_argument("--board", choices=board_names,
-                        help="run as this board profile (default: $BOARDTALK_BOARD or detected)")
-        sp.add_argument("--threads", type=_int_in(1, boards.MAX_THREADS), metavar="N",
-                        help=f"compute threads, 1-{boards.MAX_THREADS} (default: the board's; host: every usable core)")
-        sp.add_argument("--max-context", type=_int_in(2), metavar="N",
-                        help="KV cache positions, >= 2 (default: the board's, capped by the artifact's)")
-        sp.add_argument("--trusted-keys", metavar="PATH", type=_path,
-                        help="a .pub file or a directory of them: load only artifacts signed by one of these keys "
-                             "(default: $BOARDTALK_TRUSTED_KEYS, else /etc/boardtalk/trusted_keys/ if it exists, "
-                             "else no signature check)")
-        if gen:
-            sp.add_argument("--max-new-tokens", type=_int_in(1), default=256, metavar="N",
-                            help="most tokens to generate per reply, >= 1 (default: %(default)s)")
-            sp.add_argument("--temperature", type=_float_in(0, 100), default=0.0, metavar="T",
-                            help="sampling temperature in [0, 100]; 0 = greedy, deterministic (default: %(default)s)")
-            sp.add_argument("--top-k", type=_int_in(0), default=0, metavar="K",
-                            help="sample from the K most likely tokens only; 0 = off (default: %(default)s)")
-            sp.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, metavar="P",
-                            help="nucleus sampling: the smallest set of tokens with probability P, in (0, 1]; "
-                                 "1 = off (default: %(default)s)")
-            sp.add_argument("--repetition-penalty", type=_float_in(0, 100, lo_open=True), default=1.0, metavar="R",
-                            help="> 1 discourages tokens already seen, in (0, 100]; 1 = off (default: %(default)s)")
-            sp.add_argument("--seed", type=_int_in(0, 2**64 - 1), metavar="N",
-                            help="sampling seed, for repeatable output with --temperature > 0 (default: random)")
-            sp.add_argument("--stop", action="append", type=_nonempty, metavar="TEXT",
-                            help="stop when the reply produces TEXT (not printed); repeatable (default: only the "
-                                 "model's end-of-turn tokens stop)")
 
     g = sub.add_parser("generate", help="stream a completion of one prompt",
                        description="Stream the model's continuation of one prompt (or, with --chat, its reply).")
@@ -678,6 +687,8 @@ def build_parser(for_build: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--artifact", required=True, metavar="DIR", type=_path, help="artifact directory to sign (required)")
     s.add_argument("--key", required=True, metavar="KEY", type=_path, help="private key from 'boardtalk keygen' (required)")
     s.set_defaults(func=cmd_sign)
+    for name in COMMAND_MODULES:  # commands that live beside what they run
+        importlib.import_module(name).add_commands(sub)
     return p
 
 
