@@ -43,7 +43,8 @@ BUILD_EXTRA = "boardtalk build needs the build extra: pip install 'boardtalk[bui
 MANIFEST = "manifest.yaml"
 # Modules with add_commands(subparsers): each registers its own commands, options and handlers; they
 # import from here only the option types, run_options, _load and CliError.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = (
+)
 
 
 class CliError(Exception):

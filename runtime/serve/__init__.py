@@ -1,0 +1,1 @@
+"""The board service: ``boardtalk serve`` (voice loop, HTTP API, Wyoming) under systemd."""
