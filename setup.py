@@ -15,7 +15,7 @@ setup(
     version="0.1.0",
     description="On-device streaming LLM runtime for ARM edge boards (Raspberry Pi 5, Jetson Orin)",
     python_requires=">=3.10",
-    packages=["runtime", "runtime.backends", "runtime.native", "runtime.voice", "models", "boards", "voice_demo"],
+    packages=["runtime", "runtime.backends", "runtime.native", "runtime.voice", "runtime.serve", "models", "boards", "voice_demo"],
     # The native kernels' source ships with the runtime; the artifact builder (models/native_build.py)
     # compiles it for the artifact's board and the artifact carries the library. Nothing compiles at install.
     package_data={"runtime.native": ["*.c"]},
