@@ -88,7 +88,7 @@ def load(artifact_dir, threads: int | None = None, board: str | None = None, max
         if art == Path(artifact_dir):
             raise
         # an unpacked copy of a tarball that no longer matches (edited in the cache): unpack it once more
-        from .store import discard_unpacked
+        from .tarball import discard_unpacked
 
         log.warning("unpacked copy %s of %s is damaged; unpacking it again", art, artifact_dir)
         discard_unpacked(art)

@@ -249,11 +249,12 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 
 def open_artifact(path: str | Path) -> Path:
-    """The artifact directory; a .tar / .tar.gz is unpacked once into the cache (runtime/store.py checks its
+    """The artifact directory; a .tar / .tar.gz is unpacked once into the cache (runtime/tarball.py checks its
     members against its manifest from the headers alone, before extracting anything)."""
     path = Path(path)
     if path.is_file() and tarfile.is_tarfile(path):
-        from .store import StoreError, unpack_tarball
+        from .store import StoreError
+        from .tarball import unpack_tarball
 
         try:
             return unpack_tarball(path)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from runtime import store
+from runtime import store, tarball
 from runtime.store import StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -426,7 +426,7 @@ def test_tarball_bomb_is_refused_from_its_headers(tmp_path, cache, case):
               "manifest-honest": r"lists 1073741824 bytes from a \d+-byte file .* refused before unpacking",
               "no-manifest-first": r"no manifest.yaml among its first 64 MiB"}[case]
     with pytest.raises(StoreError, match=expect):
-        store.unpack_tarball(bomb)
+        tarball.unpack_tarball(bomb)
     assert time.monotonic() - t0 < 1.0  # headers only: decompressing 1 GB takes seconds
     assert not (cache / "unpacked").exists() or not any((cache / "unpacked").rglob("weights.bin"))
 
@@ -435,15 +435,15 @@ def test_tarball_with_unlisted_or_wrong_size_member_is_refused(tmp_path, cache):
     files = {"weights.bin": b"w" * 100, "tokenizer.bpe": b"t" * 10}
     m = _manifest_bytes(files)
     with pytest.raises(StoreError, match=r"evil.sh is not listed in its manifest.yaml"):
-        store.unpack_tarball(_tar(tmp_path / "a.tgz", [("manifest.yaml", m), *files.items(), ("evil.sh", b"rm")]))
+        tarball.unpack_tarball(_tar(tmp_path / "a.tgz", [("manifest.yaml", m), *files.items(), ("evil.sh", b"rm")]))
     with pytest.raises(StoreError, match=r"weights.bin is 101 bytes in the tarball, its manifest.yaml says 100"):
-        store.unpack_tarball(_tar(tmp_path / "b.tgz", [("manifest.yaml", m), ("weights.bin", b"w" * 101)]))
+        tarball.unpack_tarball(_tar(tmp_path / "b.tgz", [("manifest.yaml", m), ("weights.bin", b"w" * 101)]))
     with pytest.raises(StoreError, match=r"not a file at the top level"):
-        store.unpack_tarball(_tar(tmp_path / "c.tgz", [("manifest.yaml", m), ("../weights.bin", b"w" * 100)]))
+        tarball.unpack_tarball(_tar(tmp_path / "c.tgz", [("manifest.yaml", m), ("../weights.bin", b"w" * 100)]))
     with pytest.raises(StoreError, match=r"lacks tokenizer.bpe"):
-        store.unpack_tarball(_tar(tmp_path / "d.tgz", [("manifest.yaml", m), ("weights.bin", b"w" * 100)]))
+        tarball.unpack_tarball(_tar(tmp_path / "d.tgz", [("manifest.yaml", m), ("weights.bin", b"w" * 100)]))
     with pytest.raises(StoreError, match=r"members under both"):
-        store.unpack_tarball(_tar(tmp_path / "e.tgz", [("a/manifest.yaml", m), ("b/weights.bin", b"w" * 100)]))
+        tarball.unpack_tarball(_tar(tmp_path / "e.tgz", [("a/manifest.yaml", m), ("b/weights.bin", b"w" * 100)]))
     link = tmp_path / "f.tar"
     with tarfile.open(link, "w") as tf:
         ti = tarfile.TarInfo("manifest.yaml")
@@ -453,7 +453,7 @@ def test_tarball_with_unlisted_or_wrong_size_member_is_refused(tmp_path, cache):
         ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(ti)
     with pytest.raises(StoreError, match=r"'weights.bin' is not a regular file or directory"):
-        store.unpack_tarball(link)
+        tarball.unpack_tarball(link)
     assert not (cache / "unpacked").exists() or not any((cache / "unpacked").iterdir())
 
 
@@ -463,15 +463,15 @@ def test_tarball_is_unpacked_once_and_reused(art_dir, tmp_path, cache):
     with tarfile.open(tar, "w:gz") as tf:  # unsorted, under one directory: manifest.yaml need not come first
         for p in sorted(art_dir.iterdir(), reverse=True):
             tf.add(p, arcname=f"art/{p.name}")
-    first = store.unpack_tarball(tar)
+    first = tarball.unpack_tarball(tar)
     assert first.parent == cache / "unpacked"
     _verified(first)
     inode = first.stat().st_ino
-    second = store.unpack_tarball(tar)
+    second = tarball.unpack_tarball(tar)
     assert second == first and second.stat().st_ino == inode
     assert len(list((cache / "unpacked").iterdir())) == 2  # the copy and its lock file
     (first / "tokenizer.bpe").write_bytes(b"")  # a damaged cached copy is unpacked again
-    third = store.unpack_tarball(tar)
+    third = tarball.unpack_tarball(tar)
     assert third == first and third.stat().st_ino != inode
     _verified(third)
 
@@ -496,14 +496,14 @@ def test_a_corrupt_tarball_does_not_poison_the_cache(art_dir, tmp_path, cache):
     big = max((p for p in art_dir.iterdir() if p.name != "manifest.yaml"), key=lambda p: p.stat().st_size)
     bad = _tar_of(art_dir, tmp_path / "bad.tar.gz", {big.name: bytes(big.stat().st_size)})
     good = _tar_of(art_dir, tmp_path / "good.tar.gz")
-    bad_dir = store.unpack_tarball(bad)
+    bad_dir = tarball.unpack_tarball(bad)
     with pytest.raises(ValueError, match="sha256"):
         load_manifest(bad_dir, verify_files=True)
-    good_dir = store.unpack_tarball(good)
+    good_dir = tarball.unpack_tarball(good)
     assert good_dir != bad_dir and good_dir.parent == bad_dir.parent == cache / "unpacked"
     assert good_dir.name == hashlib.sha256(good.read_bytes()).hexdigest()[:32]
     _verified(good_dir)
-    assert store.unpack_tarball(bad) == bad_dir and store.unpack_tarball(good) == good_dir  # each reused
+    assert tarball.unpack_tarball(bad) == bad_dir and tarball.unpack_tarball(good) == good_dir  # each reused
 
 
 def test_discard_unpacked_then_unpack_again(art_dir, tmp_path, cache):
@@ -512,16 +512,16 @@ def test_discard_unpacked_then_unpack_again(art_dir, tmp_path, cache):
     from runtime.artifact import load_manifest
 
     tar = _tar_of(art_dir, tmp_path / "art.tar.gz")
-    dest = store.unpack_tarball(tar)
+    dest = tarball.unpack_tarball(tar)
     big = max((p for p in dest.iterdir() if p.name != "manifest.yaml"), key=lambda p: p.stat().st_size)
     with open(big, "r+b") as f:  # someone edited the cached copy: same size
         f.write(b"\xff" * 16)
-    assert store.unpack_tarball(tar) == dest  # sizes match: reused, and the loader's sha256 check fails
+    assert tarball.unpack_tarball(tar) == dest  # sizes match: reused, and the loader's sha256 check fails
     with pytest.raises(ValueError, match="sha256"):
         load_manifest(dest, verify_files=True)
-    assert store.discard_unpacked(dest) is True
-    assert not os.path.lexists(dest) and store.discard_unpacked(dest) is False
-    again = store.unpack_tarball(tar)
+    assert tarball.discard_unpacked(dest) is True
+    assert not os.path.lexists(dest) and tarball.discard_unpacked(dest) is False
+    again = tarball.unpack_tarball(tar)
     assert again == dest
     _verified(again)
 
@@ -529,7 +529,7 @@ def test_discard_unpacked_then_unpack_again(art_dir, tmp_path, cache):
     for p in (victim, art_dir, cache / "unpacked" / "notes", cache / "unpacked", cache,
               cache / "unpacked" / dest.name / "weights.bin", cache / "unpacked" / ".." / "unpacked2" / dest.name):
         with pytest.raises(StoreError, match=r"refusing to discard .*: it is not an unpacked tarball in"):
-            store.discard_unpacked(p)
+            tarball.discard_unpacked(p)
     assert (victim / "weights.bin").read_bytes() == b"keep" and dest.is_dir()
 
 
@@ -538,8 +538,8 @@ def test_a_cache_entry_that_is_not_a_directory_is_replaced(art_dir, tmp_path, ca
     """WRONG BEHAVIOUR: a cache entry that was a symlink or a plain file failed with "Cannot call rmtree
     on a symbolic link" / "Not a directory"; it is replaced (a symlink is unlinked, never followed)."""
     tar = _tar_of(art_dir, tmp_path / "art.tar.gz")
-    dest = store.unpack_tarball(tar)
-    assert store.discard_unpacked(dest)
+    dest = tarball.unpack_tarball(tar)
+    assert tarball.discard_unpacked(dest)
     victim = _fake_artifact(tmp_path / "victim", {"weights.bin": b"keep"})
     if entry == "symlink":
         dest.symlink_to(victim)
@@ -552,15 +552,15 @@ def test_a_cache_entry_that_is_not_a_directory_is_replaced(art_dir, tmp_path, ca
         if entry == "foreign-dir":
             (dest / "x").mkdir()
             (dest / "manifest.yaml").write_text("kind: ConfigMap\n")
-    again = store.unpack_tarball(tar)
+    again = tarball.unpack_tarball(tar)
     assert again == dest and not dest.is_symlink() and dest.is_dir()
     _verified(again)
     assert sorted(os.listdir(victim)) == ["manifest.yaml", "weights.bin"]
     assert (victim / "weights.bin").read_bytes() == b"keep"
     if entry == "symlink":  # and discard_unpacked unlinks a symlink entry, never its target
-        assert store.discard_unpacked(dest) and not os.path.lexists(dest)
+        assert tarball.discard_unpacked(dest) and not os.path.lexists(dest)
         dest.symlink_to(victim)
-        assert store.discard_unpacked(dest) and not os.path.lexists(dest)
+        assert tarball.discard_unpacked(dest) and not os.path.lexists(dest)
         assert (victim / "weights.bin").read_bytes() == b"keep"
 
 
@@ -569,9 +569,9 @@ def test_an_unpacked_cache_that_is_a_file_is_refused_in_one_line(art_dir, tmp_pa
     cache.mkdir()
     (cache / "unpacked").write_text("oops")
     with pytest.raises(StoreError, match=rf"^{cache / 'unpacked'} is not a directory .*; delete it and try again$"):
-        store.unpack_tarball(tar)
+        tarball.unpack_tarball(tar)
     (cache / "unpacked").unlink()
-    _verified(store.unpack_tarball(tar))
+    _verified(tarball.unpack_tarball(tar))
 
 
 def test_concurrent_unpacks_share_one_copy(art_dir, tmp_path, cache):
@@ -580,7 +580,7 @@ def test_concurrent_unpacks_share_one_copy(art_dir, tmp_path, cache):
         for p in sorted(art_dir.iterdir()):
             tf.add(p, arcname=p.name)
     with ThreadPoolExecutor(4) as ex:
-        dirs = set(ex.map(lambda _: store.unpack_tarball(tar), range(4)))
+        dirs = set(ex.map(lambda _: tarball.unpack_tarball(tar), range(4)))
     assert len(dirs) == 1
     _verified(dirs.pop())
     assert _leftovers(cache / "unpacked") == []
