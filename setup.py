@@ -9,6 +9,7 @@ BUILD = ["onnx>=1.17", "gguf>=0.17", *ONNXRUNTIME, *SIGN]
 # The voice loop (runtime/voice/): PortAudio devices, a resampler (soxr: LGPL-2.1, dynamically linked), Silero
 # VAD and hibari TTS on onnxruntime, Whisper on CTranslate2; models from pinned PyPI wheels (runtime/voice/assets.py)
 VOICE = ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"]
+SERVE = ["aiohttp>=3.9", "wyoming>=1.5", *VOICE]  # boardtalk serve: HTTP API (aiohttp), Wyoming server, voice loop
 
 setup(
     name="boardtalk",
@@ -25,9 +26,10 @@ setup(
         "sign": SIGN,
         "build": BUILD,
         # tests run the real voice engines and audio devices too; tokenizers: the reference tests compare with
-        "dev": [*BUILD, *VOICE, "pytest>=7", "psutil>=5", "tokenizers>=0.20"],
+        "dev": [*BUILD, *SERVE, "pytest>=7", "psutil>=5", "tokenizers>=0.20", "openai>=1.0"],
         "tvm": ["apache-tvm==0.27.*"],
         "voice": VOICE,
+        "serve": SERVE,
         # opt-in GPL-3.0: piper-tts embeds espeak-ng; installs the "piper" TTS engine
         "voice-gpl": ["piper-tts>=1.3"],
         # llama.cpp as the comparison peer; compiles from source (~20 min on 2 cores)
