@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP API on aiohttp.
+
+    POST /v1/chat/completions   stream or not; errors as OpenAI's {"error": {...}} with a 4xx code
+    GET  /v1/models             the loaded model
+    GET  /health                200 once warm, 503 before (and while shutting down)
+    GET  /metrics               Prometheus text
+
+``state`` is the service (runtime/serve/service.py): ``config`` (the current Config, replaced on SIGHUP),
+``scheduler``, ``metrics``, ``ready`` and ``model_name``. Bodies are read here with the configured size
+limit and read timeout (a slow client is dropped), never decompressed (a gzip bomb is refused as 415),
+decoded as strict UTF-8 and parsed as JSON before anything is queued.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from .openai_schema import BadRequest, chunk, completion, error_body, finish_reason, parse_chat_request, usage
+from .scheduler import AsyncJob, PromptTooLong, QueueFull, ShuttingDown
+
+log = logging.getLogger(__name__)
+STATE = web.AppKey("state", object)
+PATHS = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+OPEN_PATHS = {"/health"}  # answered without the API key (a load balancer's probe)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None):
+    return web.json_response(error_body(message, kind, param), status=status, headers=headers)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler):
+    """Auth, JSON errors for everything, a count per request; nothing a client sends escapes as a crash."""
+    state = request.app[STATE]
+    path = request.path if request.path in PATHS else "other"
+    resp = None
+    try:
+        key = state.config.api.api_key
+        if key and request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "")
+            if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())):
+                resp = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                return resp
+        resp = await handler(request)
+        return resp
+    except web.HTTPException as e:
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        resp = _error(e.status, e.reason if e.status != 404 else f"no route {request.method} {request.path:.100}",
+                      kind, headers={k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # noqa: BLE001 - a bug answers 500, logged; the service keeps serving
+        log.exception("%s %s failed", request.method, path)
+        resp = _error(500, "internal error (see the service log)", "server_error")
+        return resp
+    finally:
+        code = str(resp.status) if resp is not None else "disconnected"
+        state.metrics.requests.inc(1, path, code)
+
+
+async def _read_json(request: web.Request, api):
+    """The body as JSON, or a 4xx: 413 too large, 415 compressed, 408 too slow, 400 not UTF-8 / not JSON."""
+    limit = api.body_limit_kib * 1024
+    if request.headers.get("Content-Encoding", "identity").lower() not in ("identity", ""):
+        raise _Reply(_error(415, "compressed request bodies are not accepted"))
+    if request.content_length is not None and request.content_length > limit:
+        raise _Reply(_error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"))
+
+    async def read() -> bytes:
+        buf = bytearray()
+        async for part in request.content.iter_any():
+            buf += part
+            if len(buf) > limit:
+                raise _Reply(_error(413, f"request body exceeds the limit of {limit} bytes"))
+        return bytes(buf)
+
+    try:
+        raw = await asyncio.wait_for(read(), api.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise _Reply(_error(408, f"request body not received within {api.read_timeout_s:g} s")) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Reply(_error(400, f"request body is not UTF-8 (byte {e.start})")) from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        msg = f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) \
+            else "malformed JSON: nested too deeply"
+        raise _Reply(_error(400, msg)) from None
+
+
+class _Reply(Exception):
+    """A response to return at once (an error found while reading the request)."""
+
+    def __init__(self, response: web.Response):
+        super().__init__(response.status)
+        self.response = response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    api = state.config.api
+    if not state.ready:
+        return _error(503, "the model is still loading", "server_error", headers={"Retry-After": "1"})
+    try:
+        body = await _read_json(request, api)
+        req = parse_chat_request(body, max_tokens_cap=api.max_tokens, system_prompt=state.config.model.system_prompt)
+    except _Reply as r:
+        return r.response
+    except BadRequest as e:
+        return _error(400, str(e), param=e.param)
+    except ValueError as e:  # GenerationConfig's own checks
+        return _error(400, str(e))
+    rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    job = AsyncJob(req.messages, req.config, "api", loop=asyncio.get_running_loop(), job_id=rid)
+    try:
+        state.scheduler.submit(job)
+    except QueueFull as e:
+        return _error(503, str(e), "server_error", headers={"Retry-After": str(e.retry_after_s)})
+    except ShuttingDown as e:
+        return _error(503, str(e), "server_error")
+    try:
+        kind, value = await job.next()
+        if kind == "error":
+            return _job_error(value)
+        if req.stream:
+            return await _stream(request, job, req, state.model_name)
+        parts = []
+        while True:
+            kind, value = await job.next()
+            if kind == "delta":
+                parts.append(value)
+            elif kind == "error":
+                return _job_error(value)
+            else:
+                break
+        if value.finish_reason == "cancelled":
+            return _error(503, "the request was cancelled (the service is shutting down)", "server_error")
+        return web.json_response(completion(rid, state.model_name, "".join(parts), value))
+    finally:
+        if not job.done.is_set():
+            job.request_cancel("disconnect")  # the handler was cancelled (client gone) or failed
+
+
+def _job_error(e: Exception) -> web.Response:
+    if isinstance(e, PromptTooLong):
+        return _error(400, str(e), param="messages", headers=None)
+    if isinstance(e, ShuttingDown):
+        return _error(503, str(e), "server_error")
+    if isinstance(e, ValueError):
+        return _error(400, str(e))
+    return _error(500, "internal error (see the service log)", "server_error")
+
+
+async def _stream(request: web.Request, job: AsyncJob, req, model_name: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    created = int(time.time())
+
+    async def send(obj) -> None:
+        await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    await send(chunk(job.id, model_name, created, {"role": "assistant", "content": ""}))
+    while True:
+        kind, value = await job.next()
+        if kind == "delta":
+            await send(chunk(job.id, model_name, created, {"content": value}))
+        elif kind == "error":
+            await send(error_body(str(value), "server_error"))
+            return resp
+        else:
+            break
+    if value.finish_reason == "cancelled":
+        await send(error_body("the request was cancelled (the service is shutting down)", "server_error"))
+        return resp
+    await send(chunk(job.id, model_name, created, {}, finish_reason(value.finish_reason)))
+    if req.include_usage:
+        last = chunk(job.id, model_name, created, {})
+        last["choices"] = []
+        last["usage"] = usage(value)
+        await send(last)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "boardtalk"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = {"status": "ok" if state.ready else ("stopping" if state.stopping else "loading"),
+            "queue": state.scheduler.depth if state.scheduler else 0}
+    return web.json_response(body, status=200 if state.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[STATE].metrics.render()
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def make_app(state) -> web.Application:
+    # client_max_size guards aiohttp's own readers; ours (_read_json) applies the configured, reloadable limit
+    app = web.Application(middlewares=[_guard], client_max_size=state.config.api.body_limit_kib * 1024)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_api(state, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen; returns the runner (``await runner.cleanup()`` stops it) and the bound port."""
+    runner = web.AppRunner(make_app(state), handle_signals=False, handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
+                           auto_decompress=False, keepalive_timeout=75, max_line_size=8190, max_field_size=8190)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=128)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else port
+    return runner, port
