@@ -45,6 +45,7 @@ MANIFEST = "manifest.yaml"
 # import from here only the option types, run_options, _load and CliError.
 COMMAND_MODULES: tuple[str, ...] = (
     "runtime.voice.cli",
+    "runtime.verify",
     "runtime.serve.systemd",
     "runtime.serve.cli",
 )
