@@ -1,0 +1,101 @@
+"""Wake phrase matching on the ASR transcript, and the gate that puts it between the ASR and the LLM.
+
+    match_wake("Hey, Coco! What color is the sky?", "hey coco")  -> "What color is the sky?"
+    match_wake("What color is the sky?", "hey coco")              -> None
+
+The phrase is looked for among the first words of what was heard (case, punctuation and small ASR slips
+ignored: "Hey, Koko" matches "hey coco"); the rest of the utterance after it is the question. There is no
+separate keyword-spotting model: the voice loop's own ASR hears the phrase, so a wake costs nothing extra,
+but every utterance is transcribed (and then dropped when it has no phrase: nothing is kept).
+
+``WakeGate`` wraps the loop's ASR engine (runtime/voice/pipeline.py is used unchanged): an utterance without
+the phrase, while the toy is asleep, transcribes to "" and the loop answers nothing; with it, the loop
+sees only the question. Partial passes go through the same gate, so a sleeping toy prefills nothing either.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+
+from runtime.voice.engines import Transcript
+
+WORD = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?")
+MAX_OFFSET = 2  # the phrase may start after at most this many words ("oh, hey coco ...", "um hey coco")
+
+
+def _norm(words: list[str]) -> str:
+    return " ".join(w.lower().replace("'", "") for w in words)
+
+
+def match_wake(text: str, phrase: str, threshold: float = 0.75) -> str | None:
+    """The question after the wake phrase ("" when the phrase was all), or None when ``text`` does not start
+    (within MAX_OFFSET words) with something at least ``threshold`` similar to ``phrase``. Similarity is
+    difflib's ratio over the lowercased words; windows one word shorter and longer than the phrase are tried
+    too (ASR splits and merges names: "Coco" / "Co co")."""
+    want = _norm(phrase.split())
+    n = len(want.split())
+    toks = list(WORD.finditer(text))
+    best, end = 0.0, None
+    for start in range(0, min(MAX_OFFSET, len(toks)) + 1):
+        for size in (n - 1, n, n + 1):
+            if size < 1 or start + size > len(toks):
+                continue
+            got = _norm([m.group(0) for m in toks[start : start + size]])
+            r = 1.0 if got == want else (SequenceMatcher(None, got, want).ratio() if threshold < 1 else 0.0)
+            if r > best:  # ties: the earliest, shortest window wins
+                best, end = r, start + size - 1
+    if end is None or best < threshold:
+        return None
+    rest = text[toks[end].end():]
+    return rest.lstrip(" \t,.;:!?-").strip()
+
+
+@dataclass
+class Heard:
+    """What the gate made of the latest pass over the current utterance."""
+    raw: str = ""  # what the ASR heard
+    question: str = ""  # what the loop was given ("" = nothing to answer)
+    woke: bool = False  # the wake phrase was in it
+    awake: bool = False  # the toy was already listening when the utterance began (follow-up, push-to-talk)
+
+
+class WakeGate:
+    """An ASR engine for VoiceLoop: the wrapped engine's transcript, less the wake phrase; "" when the toy is
+    asleep and the phrase is not there. ``phrase=None``: no wake phrase (push-to-talk): everything passes.
+
+    begin(awake) is called (main thread) when an utterance starts; transcribe() runs on the loop's ASR
+    thread, the latest call of an utterance is its final pass."""
+
+    def __init__(self, asr, phrase: str | None, threshold: float = 0.75):
+        self.asr, self.phrase, self.threshold = asr, phrase, threshold
+        self.name = getattr(asr, "name", "?")
+        self._lock = threading.Lock()
+        self.heard = Heard()
+
+    def begin(self, awake: bool) -> None:
+        with self._lock:
+            self.heard = Heard(awake=awake)
+
+    def forget(self) -> None:
+        with self._lock:
+            self.heard = Heard(awake=self.heard.awake)
+
+    def reset(self) -> None:
+        self.asr.reset()
+
+    def warmup(self) -> None:
+        self.asr.warmup()
+
+    def transcribe(self, audio) -> Transcript:
+        with self._lock:
+            heard = self.heard  # this utterance's record, even if the next one begins meanwhile
+        tr = self.asr.transcribe(audio)
+        raw = tr.text.strip()
+        q = match_wake(raw, self.phrase, self.threshold) if self.phrase else None
+        woke = q is not None
+        if not woke:
+            q = raw if heard.awake or self.phrase is None else ""
+        heard.raw, heard.question, heard.woke = raw, q, woke
+        return Transcript(text=q, seconds=tr.seconds, audio_s=tr.audio_s, segments=[] if not q else tr.segments)
