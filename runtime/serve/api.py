@@ -86,6 +86,8 @@ async def _read_json(request: web.Request, api):
         raw = await asyncio.wait_for(read(), api.read_timeout_s)
     except asyncio.TimeoutError:
         raise _Reply(_error(408, f"request body not received within {api.read_timeout_s:g} s")) from None
+    except ConnectionError:  # the client went away mid-body (a truncated request): nobody to answer
+        raise _Reply(_error(400, "connection lost while reading the request body")) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -227,7 +229,7 @@ def make_app(state) -> web.Application:
 async def start_api(state, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Listen; returns the runner (``await runner.cleanup()`` stops it) and the bound port."""
     runner = web.AppRunner(make_app(state), handle_signals=False, handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
-                           auto_decompress=False, keepalive_timeout=75, max_line_size=8190, max_field_size=8190)
+                           auto_decompress=False, keepalive_timeout=75, lingering_time=0.5, max_line_size=8190, max_field_size=8190)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=128)
     await site.start()

@@ -198,6 +198,7 @@ class Scheduler:
         self.current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="boardtalk-llm", daemon=True)
         self._avg_s = 2.0  # seconds per request, smoothed (for Retry-After)
+        self.max_depth = 0  # the most jobs ever waiting at once (<= queue_bound)
         self.finished: collections.deque[Job] = collections.deque(maxlen=64)  # the latest jobs served (tests, soak)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -245,6 +246,7 @@ class Scheduler:
                 wait = max(1, round(self._avg_s * (len(self._queue) + 1)))
                 raise QueueFull(len(self._queue), wait)
             self._queue.append(job)
+            self.max_depth = max(self.max_depth, len(self._queue))
             self._set_depth()
             self._cond.notify()
 
