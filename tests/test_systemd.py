@@ -222,3 +222,42 @@ def test_install_service_refuses_without_root_and_on_bad_input(tmp_path):
     r = _cli("install-service", "--root", str(tmp_path), "--user", "Bad User")
     assert r.returncode == 2 and "--user" in r.stderr, r.stderr
     assert not any(tmp_path.iterdir())
+
+
+# -- boardtalk serve under a notify socket, for real ----------------------------------------------------------
+def test_serve_reports_ready_pings_the_watchdog_and_stops_on_sigterm(tmp_path, tiny_artifact):
+    """Type=notify as systemd runs it: READY=1 once warm, WATCHDOG=1 pings while idle (the serving loop's idle
+    ticks beat), SIGHUP reloads without stopping, SIGTERM gives STOPPING=1 and exit status 0."""
+    import signal
+
+    s, addr = _listener(tmp_path, abstract=True)
+    config = tmp_path / "config.yaml"
+    config.write_text("audio:\n  enabled: false\n")
+    env = {**os.environ, "NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "2000000"}
+    env.pop("WATCHDOG_PID", None)
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--config", str(config), "--api",
+                             "127.0.0.1:0", "--artifact", str(tiny_artifact)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        end = time.monotonic() + 180
+        while b"READY=1" not in b"\n".join(seen) and time.monotonic() < end and proc.poll() is None:
+            seen += _drain(s, 0.5)
+        assert any(m.startswith(b"READY=1") for m in seen), (seen, proc.poll())
+        pings = [m for m in _drain(s, 3.0) if m == b"WATCHDOG=1"]
+        assert len(pings) >= 2, pings  # every ~0.5 s with WatchdogSec=2s while idle
+        proc.send_signal(signal.SIGHUP)
+        assert [m for m in _drain(s, 2.0) if m == b"WATCHDOG=1"] and proc.poll() is None  # reloaded, still up
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+        rest = _drain(s, 0.5)
+        print(f"SIGTERM -> exit {proc.returncode} in {took:.2f} s")
+        assert proc.returncode == 0, err[-2000:]
+        assert b"STOPPING=1" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        s.close()

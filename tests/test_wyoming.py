@@ -475,3 +475,50 @@ def test_a_bad_event_gets_an_error_and_the_connection_goes_on(event, why):
     err, after = serve(scenario)
     assert err.type == "error" and err.data["code"] == "bad-event" and why in err.data["text"], err
     assert after == "info"
+
+
+# -- through boardtalk serve ----------------------------------------------------------------------------------
+@pytest.mark.voice
+def test_boardtalk_serve_answers_wyoming(tmp_path, tiny_artifact):
+    """The service wires serve_wyoming to its scheduler: describe and a streamed handle over the real process."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:  # a free port (the service logs the one it got, but port 0 is not parsed here)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "config.yaml"
+    config.write_text("audio:\n  enabled: false\n")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--config", str(config), "--no-api",
+                             "--wyoming", f"127.0.0.1:{port}", "--artifact", str(tiny_artifact)],
+                            cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"})
+
+    async def scenario():
+        for _ in range(600):  # the engines load and warm up first
+            if proc.poll() is not None:
+                return None, None
+            try:
+                async with client(port) as c:
+                    await c.write_event(Describe().event())
+                    info = Info.from_event(await c.read_event())
+                    break
+            except OSError:
+                await asyncio.sleep(0.2)
+        async with client(port) as c:
+            await c.write_event(Transcript(text="Hello there", context={"conversation_id": "7"}).event())
+            return info, await read_until(c, "handled-stop")
+
+    try:
+        info, events = asyncio.run(scenario())
+        assert info is not None, proc.stderr.read()[-2000:]
+        assert info.asr[0].models[0].name == "whisper-tiny-en" and info.handle[0].supports_handled_streaming
+        assert HANDLED_ORDER.fullmatch(types(events)), types(events)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, err[-2000:]
