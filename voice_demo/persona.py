@@ -10,7 +10,9 @@ the file, the key and what was expected: a typo in a child's toy must not silent
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -246,10 +248,13 @@ def load_persona(name_or_path: str) -> Persona:
 
     path = resolve(name_or_path)
     try:
-        with open(path, "rb") as f:
-            if not path.is_file():
-                raise PersonaError(f"{path} is not a regular file")
-            data = f.read(MAX_PERSONA_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PersonaError(f"persona {path} is not a regular file")
+            data = os.read(fd, MAX_PERSONA_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise PersonaError(f"cannot read persona {path}: {e.strerror or e}") from None
     if len(data) > MAX_PERSONA_BYTES:

@@ -143,22 +143,42 @@ class KeyReader:
             termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
 
 
-def run_live(model, vad, asr, tts, persona: Persona, input_device=None, output_device=None, face=None) -> int:
-    """The toy on the sound card until Ctrl-C (KeyboardInterrupt propagates after everything is closed)."""
+def run_live(model, vad, asr, tts, persona: Persona, input_device=None, output_device=None, face=None,
+             stop: threading.Event | None = None) -> int:
+    """The toy on the sound card until Ctrl-C (KeyboardInterrupt propagates, after everything is closed and
+    the terminal restored) or until ``stop`` is set. While the microphone is missing (audio.py retries it),
+    the toy is fed silence on the clock, so a reply being spoken still ends and the timers still run."""
     from runtime.voice.audio import Microphone, Speaker
     from runtime.voice.live import SpeakerSink
 
+    stop = stop or threading.Event()
     ptt = persona.activation.mode == "push_to_talk"
-    keys = KeyReader(persona.activation.key) if ptt else contextlib.nullcontext()
-    with keys, Microphone(input_device) as mic, Speaker(output_device) as spk:
+    keys = KeyReader(persona.activation.key) if ptt else None
+    silence = np.zeros(VAD_WINDOW, np.float32)
+    with keys or contextlib.nullcontext(), Microphone(input_device) as mic, Speaker(output_device) as spk:
         toy = Toy(model, vad, asr, tts, persona, output=SpeakerSink(spk), clock=time.monotonic, face=face,
                   keep_turns=False)
+        t_start = t_last = time.monotonic()
+        missing_shown = False
         try:
-            for window, t in mic:
-                if ptt:
+            while not stop.is_set():
+                if keys is not None:
                     for tp in keys.drain():
                         toy.press(tp)
-                toy.feed(window, t)
+                got = mic.read(timeout=0.1)
+                if got is not None:
+                    t_last = got[1]
+                    toy.feed(*got)
+                    missing_shown = False
+                elif not mic.connected.is_set():
+                    if not missing_shown and face is not None and time.monotonic() - t_start > 3.0:
+                        face.say(f"[microphone {input_device if input_device is not None else '(default)'} "
+                                 "not available: retrying]")
+                        missing_shown = True
+                    now = time.monotonic()
+                    while t_last + WINDOW_S <= now:
+                        t_last += WINDOW_S
+                        toy.feed(silence, t_last)
         finally:
             toy.close()
             log.info("audio: microphone %s, speaker %s", mic.stats, spk.stats)
