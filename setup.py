@@ -19,7 +19,7 @@ setup(
     packages=["runtime", "runtime.backends", "runtime.native", "runtime.voice", "runtime.serve", "models", "boards", "voice_demo"],
     # The native kernels' source ships with the runtime; the artifact builder (models/native_build.py)
     # compiles it for the artifact's board and the artifact carries the library. Nothing compiles at install.
-    package_data={"runtime.native": ["*.c"]},
+    package_data={"runtime.native": ["*.c"], "voice_demo": ["personas/*.yaml", "blocklist.txt"]},
     install_requires=RUNTIME,
     extras_require={
         "onnxruntime": ONNXRUNTIME,
