@@ -145,8 +145,10 @@ def ssh_base(opts: DeployOptions) -> list[str]:
 
 
 def _tail(text: str, n: int = 3) -> str:
+    """The last n lines of a program's stderr in one line, its error lines first (pip ends with hints)."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return " | ".join(lines[-n:])[-400:] or "no output"
+    errors = [ln for ln in lines if re.match(r"(error|fatal|[\w.-]+error)\b", ln, re.I)]
+    return " | ".join((errors or lines)[-n:])[-400:] or "no output"
 
 
 def remote(opts: DeployOptions, step: str, script: str, stdin=None, timeout: float = 1800) -> str:
@@ -236,7 +238,7 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
                     f"rsync {'yes' if info['rsync'] else 'no'}, systemctl {'yes' if info['systemctl'] else 'no'}")
 
         steps.append(Step("probe", f"ask {to.dest} for its Python, machine, glibc, rsync and systemctl",
-                          [shlex.join([*ssh_base(opts), "--", to.dest, f"{pyq} -c '<probe>'"])], probe))
+                          [f"{shlex.join([*ssh_base(opts), '--', to.dest])} {pyq} -c '<probe script>'"], probe))
 
     if opts.artifact:
         def check_artifact() -> str:
@@ -423,11 +425,14 @@ def make_wheelhouse(pyver: str, machine: str, glibc: str, extra: str | None) -> 
         raise DeployError(f"deploy step 'wheels': no setup.py beside {REPO / 'runtime'}: deploy ships the runtime from "
                           "a source checkout (git clone, then pip install -e '.[build]')")
     m = re.fullmatch(r"2\.(\d+)", glibc or "")
-    tag = f"manylinux_2_{max(17, int(m.group(1))) if m else 17}_{machine}"
+    minor = max(17, int(m.group(1))) if m else 17
+    tag = f"manylinux_2_{minor}_{machine}"
+    # pip takes only the tags it is given: every manylinux glibc level the board can run, newest first
+    platforms = [a for k in range(minor, 16, -1) for a in ("--platform", f"manylinux_2_{k}_{machine}")]
+    platforms += ["--platform", f"manylinux2014_{machine}"]
     wh = cache_dir() / "deploy-wheels" / f"cp{pyver.replace('.', '')}-{tag}{'-' + extra if extra else ''}"
-    wh.mkdir(parents=True, exist_ok=True)
-    for old in wh.glob("boardtalk-*.whl"):
-        old.unlink()
+    shutil.rmtree(wh, ignore_errors=True)  # exactly this deploy's wheels (pip's own cache makes refilling it quick)
+    wh.mkdir(parents=True)
     pip = [sys.executable, "-m", "pip"]
     isolation = ["--no-build-isolation"] if _has_setuptools() else []  # offline when setuptools is here
     _run_local("wheels", [*pip, "wheel", "-q", "--no-deps", *isolation, "-w", str(wh), str(REPO)], timeout=600)
@@ -435,18 +440,19 @@ def make_wheelhouse(pyver: str, machine: str, glibc: str, extra: str | None) -> 
     if len(built) != 1:
         raise DeployError(f"deploy step 'wheels': expected one boardtalk wheel in {wh}, found {len(built)}")
     req = f"{built[0]}[{extra}]" if extra else str(built[0])
-    _run_local("wheels", [*pip, "download", "-q", "--only-binary=:all:", "--platform", tag, "--python-version", pyver,
+    _run_local("wheels", [*pip, "download", "-q", "--only-binary=:all:", *platforms, "--python-version", pyver,
                           "--implementation", "cp", "-d", str(wh), req, "pip"], timeout=1200)
-    pips = sorted(wh.glob("pip-*.whl"), key=lambda p: [int(x) if x.isdigit() else 0 for x in p.name.split("-")[1].split(".")])
-    for stale in pips[:-1]:
-        stale.unlink()
-    return wh, built[0].name, pips[-1].name
+    pips = list(wh.glob("pip-*.whl"))
+    if len(pips) != 1:
+        raise DeployError(f"deploy step 'wheels': expected one pip wheel in {wh}, found {len(pips)}")
+    return wh, built[0].name, pips[0].name
 
 
 def _has_setuptools() -> bool:
+    """Whether this Python can build the wheel without fetching a build environment (setuptools + wheel)."""
     import importlib.util
 
-    return importlib.util.find_spec("setuptools") is not None
+    return all(importlib.util.find_spec(m) is not None for m in ("setuptools", "wheel"))
 
 
 def wheelhouse_stamp(wh: Path) -> str:
@@ -573,7 +579,8 @@ def main(args) -> int:
         opts.progress = _progress
     steps, st = plan(opts)
     where = f"to {opts.to}" if opts.to else "(build only: no --to)"
-    print(f"deploy {opts.model} ({opts.backend}) for {opts.board} {where}: {len(steps)} steps"
+    what = f"artifact {opts.artifact}" if opts.artifact else f"{opts.model} ({opts.backend})"
+    print(f"deploy {what} for {opts.board} {where}: {len(steps)} steps"
           f"{' (dry run: nothing is run)' if args.dry_run else ''}", file=sys.stderr)
     t_all = time.monotonic()
     for i, s in enumerate(steps, 1):
