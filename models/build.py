@@ -19,7 +19,7 @@ from .sources import resolve_gguf, sha256_file
 log = logging.getLogger(__name__)
 
 TOOL_VERSION = "boardtalk 0.1.0"
-BACKENDS = ("onnxruntime", "native")
+BACKENDS = ("onnxruntime", "native", "tvm")
 KV_LAYOUT_SHAPES = {"token-major": "(position, layer, 2*kv_heads, head_dim)",
                     "layer-major": "(layer, position, 2*kv_heads, head_dim)"}
 
@@ -57,8 +57,8 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         raise NotImplementedError(f"backend {backend!r}: known backends are {', '.join(BACKENDS)} (TVM is its own issue)")
     if scheme not in quant.SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(quant.SCHEMES)}")
-    if backend == "native" and (scheme != "q4_1-exact" or embedding != "q8_0"):
-        raise ValueError("the native backend runs GGUF Q4_1 weights as stored (--scheme q4_1-exact --embedding q8_0)")
+    if backend in ("native", "tvm") and (scheme != "q4_1-exact" or embedding != "q8_0"):
+        raise ValueError(f"the {backend} backend runs GGUF Q4_1 weights as stored (--scheme q4_1-exact --embedding q8_0)")
     out_dir = store.prepare_output(out_dir)  # refuse a bad out_dir before any download
     if sign_key is not None:  # and a key that cannot sign, before the long part
         from runtime.signing import check_private_key
@@ -73,8 +73,12 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
     log.info("building %s for %s: %d layers, hidden %d, scheme %s, context %d", src.name, board, cfg.n_layers,
              cfg.hidden, scheme, ctx)
     with store.build_lock(out_dir), store.staging_dir(out_dir) as tmp:
-        kernels = None
-        if backend == "native":
+        kernels = tvm_fields = None
+        if backend == "tvm":  # models/tvm_build.py: Relax model compiled for the board's GPU
+            from .tvm_build import build_tvm_files
+
+            files, graph_info, tvm_fields, report = build_tvm_files(src, tmp, profile, progress)
+        elif backend == "native":
             files, report = _native_files(src, tmp, progress)
             graph_info = {"file": files[0], "index": files[1]}
             kernels = build_library(board, tmp)
@@ -106,6 +110,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
             "backend": backend,
             "graph": graph_info,
             **({"kernels": {k: kernels[k] for k in ("file", "cpu_features", "cflags", "simd")}} if kernels else {}),
+            **({"tvm": tvm_fields} if tvm_fields else {}),
             "target": {"board": profile.name, "triple": profile.triple, "cuda_arch": profile.cuda_arch},
             "max_context": ctx,
         }

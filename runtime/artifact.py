@@ -87,6 +87,8 @@ class Manifest:
     target: Target
     max_context: int
     files: dict  # name -> {"size": int, "sha256": str}
+    tvm: dict | None = None  # tvm backend: device, libraries {host triple: file}, cuda_arch, ptx_isa, cuda_runtime_major
+
 
     def to_dict(self) -> dict[str, Any]:
         q = dict(self.quantization.__dict__)
@@ -113,6 +115,8 @@ class Manifest:
             k = self.kernels
             d["kernels"] = {"file": k.file, "cpu_features": list(k.cpu_features), "cflags": list(k.cflags),
                             "simd": k.simd}
+        if self.tvm:
+            d["tvm"] = dict(self.tvm)
         d.update({"target": dict(self.target.__dict__), "max_context": self.max_context,
                   "files": {k: dict(v) for k, v in self.files.items()}})
         return d
@@ -225,10 +229,14 @@ def parse_manifest(d: Any) -> Manifest:
         target=Target(board=_get(t, "board", str, "target"), triple=_get(t, "triple", str, "target"), cuda_arch=cuda),
         max_context=_int_in(d, "max_context", 1, arch.context_length),
         files=files,
+        tvm=_get(d, "tvm", dict, MANIFEST, None),
     )
+    if backend == "tvm" and (m.graph_index is None or not m.tvm or not isinstance(m.tvm.get("libraries"), dict)):
+        raise ArtifactError(f"{MANIFEST}: a tvm artifact needs graph.index and tvm.libraries (rebuild it with this boardtalk)")
     if backend == "native" and (m.graph_index is None or m.kernels is None):
         raise ArtifactError(f"{MANIFEST}: a native artifact needs graph.index and kernels (rebuild it with this boardtalk)")
-    for f in (m.tokenizer_file, m.graph_file, m.graph_index, m.kernels and m.kernels.file):
+    for f in (m.tokenizer_file, m.graph_file, m.graph_index, m.kernels and m.kernels.file,
+              *((m.tvm or {}).get("libraries") or {}).values()):
         if f and f not in files:
             raise ArtifactError(f"{MANIFEST}: {f} is used but not listed under 'files' (so it cannot be verified)")
     return m

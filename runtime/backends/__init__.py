@@ -67,6 +67,9 @@ BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnxruntime", "OrtBackend", "token-major",
                                "one portable INT4 ONNX graph (MatMulNBits); the route to other execution providers",
                                "onnxruntime (pip install onnxruntime)"),
+    "tvm": BackendInfo("tvm", "tvm", "TvmBackend", "layer-major", "a TVM Relax executable for the board's GPU (CUDA sm_87 "
+                       "fatbin + compute_87 PTX), weights and int8 KV cache on the GPU",
+                       "the TVM runtime (pip install apache-tvm-ffi + libtvm_runtime*.so; docs/gpu.md)"),
 }
 DEFAULT_BACKEND = "native"
 
