@@ -24,6 +24,8 @@ from voice_demo.face import STATES, Face, render
 from voice_demo.guard import ContentGuard, GuardedTTS
 from voice_demo.wake import WakeGate, match_wake
 
+from pulse import pulse  # noqa: F401,E402  (the private PulseAudio session fixture, for the live test)
+
 ROOT = Path(__file__).resolve().parents[1]
 SR = SAMPLE_RATE
 
@@ -398,3 +400,75 @@ def test_wake_phrase_gates_replies_end_to_end(real_artifacts, tmp_path):
     assert np.abs(out[int((t0 + 0.25) * rate):]).max() > 0.05  # then the reply
     lines = r.stderr.splitlines()
     assert "[coco] sleeping" in lines and "[coco] speaking" in lines and lines[-1] == "[coco] listening"
+
+
+def test_key_reader_on_a_terminal_and_refusal_without_one():
+    """Push-to-talk reads its key from a terminal in cbreak mode and restores the terminal afterwards."""
+    import termios
+
+    from voice_demo.run import KeyReader
+
+    master, slave = os.openpty()
+    with open(slave, "rb", buffering=0, closefd=False) as tty:
+        before = termios.tcgetattr(slave)
+        with KeyReader("space", tty) as keys:
+            assert not termios.tcgetattr(slave)[3] & termios.ICANON  # cbreak: keys arrive without Enter
+            os.write(master, b"x x ")
+            deadline = time.monotonic() + 5
+            got = []
+            while len(got) < 2 and time.monotonic() < deadline:
+                got += keys.drain()
+                time.sleep(0.02)
+        assert len(got) == 2  # the two spaces, not the x's
+        assert termios.tcgetattr(slave) == before
+    os.close(master), os.close(slave)
+    with pytest.raises(ValueError, match="push_to_talk needs a terminal"):
+        with KeyReader("space", io.StringIO()):
+            pass
+
+
+@pytest.mark.voice
+@pytest.mark.slow
+def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path):
+    """Live mode on the private PulseAudio's virtual microphone and speaker: "hey coco, what color is the sky?"
+    played into the microphone is answered on the speaker, after the listen earcon."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    import threading
+
+    from pulse import read_raw_f32
+    from runtime.voice.engines import open_engine
+    from voice_demo.run import run_live
+
+    model = runtime.load(real_artifacts["native"], threads=1)
+    vad, asr, tts = open_engine("vad"), open_engine("asr"), open_engine("tts")
+    asr.warmup(), tts.warmup()
+    q = np.concatenate([_espeak("Hey Coco, what color is the sky?", tmp_path), np.zeros(SR // 2, np.float32)])
+    write_wav(tmp_path / "q.wav", q, SR)
+    out, stop = io.StringIO(), threading.Event()
+    face = Face("Coco", out, tty=False)
+    th = threading.Thread(target=run_live, args=(model, vad, asr, tts, P.load_persona("coco"), "virtual_mic",
+                                                 "speaker", face, stop))
+    rec = pulse.record_speaker(tmp_path / "spk.raw")
+    th.start()
+    try:
+        time.sleep(2.0)  # the devices open (a PulseAudio source's first read waits ~1.9 s)
+        pulse.play_into_mic(tmp_path / "q.wav", wait=True)
+        deadline = time.monotonic() + 20
+        while "[coco] listening" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        th.join(10)
+        rec.terminate(), rec.wait(5)
+    lines = out.getvalue().splitlines()
+    assert "[coco] speaking" in lines and lines[-1] == "[coco] listening", lines
+    assert any(line.startswith("coco: ") and len(line) > 7 for line in lines), lines
+    y = read_raw_f32(tmp_path / "spk.raw")
+    loud = np.nonzero(np.abs(y) > 0.05)[0]
+    assert len(loud), "nothing was played"
+    t0 = loud[0] / SR  # the earcon comes first, then the reply
+    assert abs(_freq(y[int((t0 + 0.015) * SR):int((t0 + 0.075) * SR)], SR) - TONES["listen"][0]) < 25
+    assert abs(_freq(y[int((t0 + 0.125) * SR):int((t0 + 0.185) * SR)], SR) - TONES["listen"][1]) < 25
+    assert np.abs(y[int((t0 + 0.3) * SR):]).max() > 0.05

@@ -71,6 +71,32 @@ def _board_audio(args) -> tuple[str | None, str | None]:
     return args.input or prof.audio_input, args.output or prof.audio_output
 
 
+def _check_paths(args) -> None:
+    """Before anything is loaded: IN.wav readable, and the output files writable where they are to go (a run
+    is not lost at its end for a typo in a directory name)."""
+    from pathlib import Path
+
+    try:
+        with open(args.input_wav, "rb") as f:
+            head = f.read(12)
+    except OSError as e:
+        raise CliError(f"cannot read --input-wav {args.input_wav}: {e.strerror or e}") from None
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        raise CliError(f"--input-wav {args.input_wav} is not a WAV file")
+    for opt, path in (("--output-wav", args.output_wav), ("--report-json", args.report_json)):
+        if path is None:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise CliError(f"{opt} {path} is a directory; give a file name")
+        if not p.parent.is_dir():
+            raise CliError(f"{opt} {path}: directory {p.parent} does not exist")
+        if p.resolve() == Path(args.input_wav).resolve():
+            raise CliError(f"{opt} {path} is the input file; it would be overwritten")
+    if args.output_wav and args.report_json and Path(args.output_wav).resolve() == Path(args.report_json).resolve():
+        raise CliError("--output-wav and --report-json are the same file")
+
+
 def run(args) -> int:
     if args.list_personas:
         for name, path in personas.shipped().items():
@@ -88,6 +114,8 @@ def run(args) -> int:
                        "key press (nothing is heard otherwise)")
     if args.press_at and not ptt:
         raise CliError(f"--press-at is for push_to_talk personas; {persona.name} wakes on \"{persona.wake_phrase}\"")
+    if file_mode:
+        _check_paths(args)
     if args.threads is None:
         args.threads = 1  # ASR and TTS run beside the LLM: 2 threads on 2 busy cores stall (as boardtalk voice)
     from runtime.voice.engines import open_engine
@@ -126,7 +154,7 @@ def main(argv=None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
         return run(args)
     except KeyboardInterrupt:
-        print("\nvoice_demo: interrupted", file=sys.stderr)
+        print(("\n" if sys.stderr.isatty() else "") + "voice_demo: interrupted", file=sys.stderr)  # after ^C
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - only user errors are caught, the rest re-raised
         if not isinstance(e, _user_errors()):
