@@ -1,29 +1,16 @@
 """The Wyoming server of ``boardtalk serve``: the board as Home Assistant's speech-to-text, text-to-speech and
-conversation agent (issue #9 §3).
+conversation agent (issue #9 §3; docs/home-assistant.md lists every flow and its event order).
 
     await serve_wyoming("0.0.0.0", 10700, asr=asr, tts=tts, llm=llm, stop=stop_event, ready=ready_event)
 
-One TCP connection carries any number of requests, each answered in the order the protocol gives
-(wyoming 1.10's README, "Event Flow"):
-- ``describe`` -> ``info``: an ASR program (transcript streaming), a TTS program (synthesize streaming) and the
-  LLM as a ``handle`` program (handled streaming).
-- ``transcribe``? ``audio-start`` ``audio-chunk``* ``audio-stop`` -> ``transcript-start`` ``transcript-chunk``*
-  ``transcript`` ``transcript-stop``. Audio of any rate, width (1-4 bytes, signed) and channel count is turned
-  into 16 kHz mono float32. While audio arrives, a partial ASR pass runs on what has come so far whenever
-  PARTIAL_EVERY_S more has arrived and no pass is running; words that two successive passes agree on
-  ("local agreement") are streamed as ``transcript-chunk``s before ``audio-stop``. After ``audio-stop`` the
-  final pass's remaining words follow, then ``transcript`` with the final pass's whole text, which is the
-  authority: if the final pass changed a word already streamed, the chunks differ from it there.
-- ``synthesize`` -> ``audio-start`` ``audio-chunk``* ``audio-stop`` (the text cut into clauses/sentences, each
-  synthesized as soon as the one before it is sent).
-- ``synthesize-start`` ``synthesize-chunk``* [``synthesize``] ``synthesize-stop`` -> for every clause that the
-  text so far completes: ``audio-start`` ``audio-chunk``* ``audio-stop``; after ``synthesize-stop`` the rest,
-  then ``synthesize-stopped``. The ``synthesize`` sent inside a stream (for old servers) is ignored.
-- ``transcript`` (a client's request to handle text, as Home Assistant's conversation agent sends it) ->
-  ``handled-start`` ``handled-chunk``* ``handled`` ``handled-stop``; ``context`` is echoed back.
-- ``ping`` -> ``pong``. Unknown events are ignored (the protocol lets peers add events). A known event with bad
-  fields gets an ``error`` event and the connection goes on; a frame that cannot be parsed (bad JSON, a line or
-  payload over the limits) gets an ``error`` and the connection is closed, since the stream cannot be resynced.
+One TCP connection carries any number of requests, answered in the order wyoming 1.10's README ("Event Flow")
+gives: describe -> info; transcribe/audio-* -> transcript-start, transcript-chunk*, transcript,
+transcript-stop; synthesize (plain or streamed) -> audio-start/chunk*/stop per piece [, synthesize-stopped];
+a client's transcript -> handled-start, handled-chunk*, handled, handled-stop; ping -> pong.
+Transcript chunks are the words two successive partial ASR passes agree on ("local agreement"), sent while
+audio still arrives; the final ``transcript`` is the authority. Unknown events are ignored; a known event with
+bad fields gets an ``error`` and the connection goes on; a frame that cannot be parsed gets an ``error`` and
+the connection is closed (the stream cannot be resynced).
 
 ASR and TTS are CPU-bound: they run in threads (one call per engine at a time, engine_lock), never on the event
 loop. When a client disconnects, its running request is cancelled: the LLM iterator is closed (which cancels
@@ -49,7 +36,7 @@ MAX_DATA = 64 << 10  # bytes of an event's additional JSON data
 MAX_PAYLOAD = 4 << 20  # bytes of one event's payload (an audio chunk is usually 2-8 KiB)
 MAX_UTTERANCE_S = 30.0  # seconds of audio kept per transcribe request (Whisper's window); the rest is dropped
 MAX_TEXT = 4000  # characters of one synthesize / handle request (a synthesize stream may send more in chunks)
-PARTIAL_EVERY_S = 1.0  # seconds of new audio between partial ASR passes
+PARTIAL_EVERY_S = 0.5  # seconds of new audio between partial ASR passes (one at a time; docs/home-assistant.md)
 OUT_CHUNK = 1024  # samples per audio-chunk sent
 MAX_CONNECTIONS = 16
 LANGUAGES = ["en"]  # Whisper tiny.en and the English voices
