@@ -522,3 +522,38 @@ def test_boardtalk_serve_answers_wyoming(tmp_path, tiny_artifact):
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 0, err[-2000:]
+
+
+def test_idle_and_surplus_connections_are_closed(monkeypatch):
+    """A client that connects and sends nothing must not hold one of the connection slots forever."""
+    import runtime.serve.wyoming as wy
+
+    monkeypatch.setattr(wy, "IDLE_S", 0.5)
+    monkeypatch.setattr(wy, "MAX_CONNECTIONS", 2)
+
+    async def scenario(port):
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        third = await asyncio.wait_for(idle[2][0].read(), TIMEOUT)  # over the limit: closed at once
+        first = await asyncio.wait_for(idle[0][0].read(), TIMEOUT)  # idle: closed after IDLE_S
+        for _, w in idle:
+            w.close()
+        async with client(port) as c:
+            await c.write_event(Describe().event())
+            return third, first, (await c.read_event()).type
+
+    assert serve(scenario) == (b"", b"", "info")
+
+
+def test_audio_past_30_s_is_dropped_with_an_error_and_the_rest_transcribed():
+    async def scenario(port):
+        async with client(port) as c:
+            await c.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+            for _ in range(40):  # 40 s
+                await c.write_event(AudioChunk(rate=16000, width=2, channels=1, audio=bytes(32000)).event())
+            await c.write_event(AudioStop().event())
+            return await read_until(c, "transcript-stop")
+
+    events = serve(scenario)
+    errors = [e for e in events if e.type == "error"]
+    assert len(errors) == 1 and errors[0].data["code"] == "audio-too-long"
+    assert next(e for e in events if e.type == "transcript").data["text"] == f"{30 * SAMPLE_RATE} samples"

@@ -39,6 +39,7 @@ MAX_TEXT = 4000  # characters of one synthesize / handle request (a synthesize s
 PARTIAL_EVERY_S = 0.5  # seconds of new audio between partial ASR passes (one at a time; docs/home-assistant.md)
 OUT_CHUNK = 1024  # samples per audio-chunk sent
 MAX_CONNECTIONS = 16
+IDLE_S = 300.0  # a connection that sends nothing this long is closed (it would hold one of the slots)
 LANGUAGES = ["en"]  # Whisper tiny.en and the English voices
 
 _locks: dict[int, tuple[object, threading.Lock]] = {}
@@ -262,7 +263,11 @@ class _Connection:
     async def _read(self, queue: asyncio.Queue) -> None:
         try:
             while True:
-                event = await read_event(self.reader)
+                try:
+                    event = await asyncio.wait_for(read_event(self.reader), IDLE_S)
+                except asyncio.TimeoutError:
+                    log.info("wyoming: closing a connection idle for %.0f s", IDLE_S)
+                    break
                 if event is None:
                     break
                 await queue.put(event)
