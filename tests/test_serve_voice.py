@@ -90,3 +90,43 @@ def test_voice_turn_and_api_share_the_model_and_survive_mic_loss(pulse, real_art
         assert 'boardtalk_audio_events_total{device="input",event="reconnects"} 1' in text
         assert 'boardtalk_audio_connected{device="input"} 1' in text
         assert back_s < 2.5  # audio.py's backoff is capped at 2 s
+
+
+def test_wyoming_handle_goes_through_the_scheduler(real_artifacts):
+    """serve with wyoming on: a Home Assistant transcript is answered by the service's model through the queue,
+    the same text as in-process; hanging up mid-reply cancels the generation."""
+    pytest.importorskip("wyoming", reason="needs the wyoming package: pip install 'boardtalk[serve]'")
+    import asyncio
+
+    from wyoming.asr import Transcript
+    from wyoming.client import AsyncTcpClient
+
+    artifact = real_artifacts["native"]
+    model = runtime.load(artifact)
+    ids = model.chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    alone = "".join(model.new_session().stream(ids, runtime.GenerationConfig(max_new_tokens=24)))
+    model.close()
+    cfg = from_dict({"api": {"enabled": False}, "wyoming": {"enabled": True, "port": 0},
+                     "audio": {"enabled": False, "max_new_tokens": 24}, "model": {"system_prompt": SYSTEM}})
+    with Background(cfg, lambda sec: runtime.load(artifact)) as svc:
+        async def talk(hang_up_after=None):
+            c = AsyncTcpClient("127.0.0.1", svc.wyoming_port)
+            await c.connect()
+            await c.write_event(Transcript(text=QUESTION).event())
+            text = []
+            while True:
+                e = await asyncio.wait_for(c.read_event(), 120)
+                if e is None or e.type == "handled-stop":
+                    break
+                if e.type == "handled-chunk":
+                    text.append(e.data["text"])
+                    if hang_up_after is not None and len(text) >= hang_up_after:
+                        break
+            await c.disconnect()
+            return "".join(text)
+
+        assert asyncio.run(talk()) == alone
+        asyncio.run(talk(hang_up_after=2))
+        _wait(lambda: svc.metrics.cancellations.value("disconnect") >= 1, 30, "the cancellation")
+        job = svc.scheduler.finished[-1]
+        assert job.source == "wyoming" and job.stats.finish_reason == "cancelled" and job.steps_after_cancel <= 1

@@ -131,12 +131,19 @@ class Service:
         a = cfg.audio
         asr, tts = await asyncio.to_thread(lambda: (open_engine("asr", a.asr), open_engine("tts", a.tts)))
         ready = asyncio.Event()
-        task = asyncio.create_task(serve_wyoming(cfg.wyoming.host, cfg.wyoming.port, asr=asr, tts=tts,
-                                                 llm=self.llm_stream, stop=self._stop, ready=ready))
-        done, _ = await asyncio.wait({task, asyncio.create_task(ready.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            task.result()  # it failed to start: raise (a port in use is the user's to fix)
         self.wyoming_port = cfg.wyoming.port
+
+        def on_listen(port: int) -> None:
+            self.wyoming_port = port
+
+        task = asyncio.create_task(serve_wyoming(cfg.wyoming.host, cfg.wyoming.port, asr=asr, tts=tts,
+                                                 llm=self.llm_stream, stop=self._stop, ready=ready,
+                                                 llm_name=self.model_name, on_listen=on_listen))
+        waiter = asyncio.create_task(ready.wait())
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            waiter.cancel()
+            task.result()  # it failed to start: raise (a port in use is the user's to fix)
         return task
 
     async def llm_stream(self, text: str, source: str = "wyoming"):
