@@ -327,6 +327,8 @@ def cmd_install_service(args) -> int:
     if not _NAME.match(args.user):
         raise ValueError(f"--user {args.user!r} is not a valid user name (lower case letters, digits, _ and -)")
     root = Path(args.root or "/")
+    if not root.is_dir():
+        raise ValueError(f"--root {root} is not a directory (create it first)")
     if not args.dry_run and args.root is None and os.geteuid() != 0:
         raise PermissionError("install-service writes /etc/systemd/system and creates a system user: run it as root "
                        "(sudo boardtalk install-service), or see the unit with --dry-run")
