@@ -29,7 +29,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "the Wyoming server needs the wyoming package: pip install 'boardtalk[serve]'"
+INSTALL_HINT = "the Wyoming server needs wyoming >= 1.7 (streaming events): pip install 'boardtalk[serve]'"
 SAMPLE_RATE = 16000  # Hz: what the ASR engines take
 MAX_LINE = 64 << 10  # bytes of one event's JSON header line
 MAX_DATA = 64 << 10  # bytes of an event's additional JSON data
@@ -521,8 +521,10 @@ async def serve_wyoming(host: str, port: int, *, asr, tts, llm: Callable[[str], 
     """Serve Wyoming on host:port until ``stop`` is set. The engines are warmed up first (in a thread); then
     ``on_listen(port)`` (the real port when port is 0) and ``ready.set()``. Returns after every connection is
     closed and its work cancelled."""
-    try:
-        import wyoming  # noqa: F401
+    try:  # the streaming events came with wyoming 1.7: fail here, not in the middle of a request
+        from wyoming.asr import TranscriptChunk  # noqa: F401
+        from wyoming.handle import HandledChunk  # noqa: F401
+        from wyoming.tts import SynthesizeStopped  # noqa: F401
     except ImportError:
         raise ImportError(INSTALL_HINT) from None
     for engine in (asr, tts):
