@@ -169,9 +169,15 @@ def test_exec_start_quotes_and_escapes():
     assert 'ExecStart="/opt/my boards/bin/boardtalk" serve --config /etc/100%%.yaml' in text
 
 
-def test_a_venv_under_home_is_bound_back_read_only():
-    text = render_unit(UnitOptions(exec_start=("/home/pi/venv/bin/boardtalk", "serve"), bind_read_only=("/home/pi/venv",)))
-    assert "ProtectHome=tmpfs" in text and "BindReadOnlyPaths=/home/pi/venv" in text and "ProtectHome=yes" not in text
+def test_a_venv_under_home_is_bound_back_read_only(tmp_path):
+    argv, _ = systemd.entry_point()
+    text = render_unit(UnitOptions(exec_start=tuple(argv), bind_read_only=("/home/pi/venv", "/home/pi/boardtalk")))
+    assert "ProtectHome=tmpfs" in text and "BindReadOnlyPaths=/home/pi/venv /home/pi/boardtalk" in text
+    assert "ProtectHome=yes" not in text
+    path = tmp_path / "boardtalk.service"
+    path.write_text(text)
+    exe = _analyze()
+    assert subprocess.run([exe, "verify", str(path)], capture_output=True, cwd=tmp_path).returncode == 0
 
 
 # -- install-service ---------------------------------------------------------------------------------------
