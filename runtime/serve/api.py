@@ -164,9 +164,18 @@ def _job_error(e: Exception) -> web.Response:
 
 
 async def _stream(request: web.Request, job: AsyncJob, req, model_name: str) -> web.StreamResponse:
+    """SSE chunks until ``data: [DONE]``; a client that goes away ends it quietly (the caller cancels the job)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
+    try:
+        return await _stream_events(resp, job, req, model_name)
+    except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up mid-stream
+        log.debug("%s: client gone mid-stream", job.id)
+        return resp
+
+
+async def _stream_events(resp: web.StreamResponse, job: AsyncJob, req, model_name: str) -> web.StreamResponse:
     created = int(time.time())
 
     async def send(obj) -> None:

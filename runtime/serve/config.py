@@ -147,7 +147,7 @@ class ServiceSection:
     watchdog: bool = _key(True, _bool, "ping systemd's watchdog (WatchdogSec= in the unit) while the model makes "
                           "progress, so a hung generation gets the service restarted")
     log_level: str = _key("info", _str(choices=("debug", "info", "warning", "error")), "stderr (journald) log level")
-    stop_timeout_s: float = _key(2.0, _num(0, 60), "on SIGTERM, seconds the running turn may take before it is "
+    stop_timeout_s: float = _key(1.5, _num(0, 60), "on SIGTERM, seconds the running turn may take before it is "
                                  "cancelled")
 
 
