@@ -267,3 +267,50 @@ def test_serve_reports_ready_pings_the_watchdog_and_stops_on_sigterm(tmp_path, t
             proc.kill()
             proc.communicate()
         s.close()
+
+
+def test_a_long_generation_feeds_the_watchdog_and_a_hung_step_starves_it(tmp_path, monkeypatch, tiny_artifact):
+    """With the service's scheduler: every decode step beats, so a generation far longer than the watchdog
+    interval keeps the pings going; a forward pass that never returns stops them (systemd would restart)."""
+    import threading
+
+    import runtime
+    from runtime.serve import scheduler as sch
+
+    s, addr = _listener(tmp_path, abstract=False)
+    monkeypatch.setenv("NOTIFY_SOCKET", addr)
+    plain = sch.GatedSession._forward
+    hang, release = threading.Event(), threading.Event()
+
+    def slow_forward(self, ids, logits_from):  # a slow board: 50 ms a step; or a hung kernel
+        if hang.is_set():
+            release.wait(30)
+        time.sleep(0.05)
+        return plain(self, ids, logits_from)
+
+    monkeypatch.setattr(sch.GatedSession, "_forward", slow_forward)
+    model = runtime.load(tiny_artifact)
+    wd = Watchdog(interval=1.0)
+    sched = sch.Scheduler(model, sch.ComputeGate(on_step=wd.beat), queue_bound=2, beat=wd.beat)
+    wd.start()
+    sched.start()
+    try:
+        busy = sch.Job([{"role": "user", "content": "hi"}], runtime.GenerationConfig(max_new_tokens=60))
+        sched.submit(busy)
+        _drain(s, 0.3)
+        during = _drain(s, 2.0)  # steps of 50 ms for 2 s: twice the interval
+        assert not busy.done.is_set() and len(during) >= 3, (len(during), busy.done.is_set())
+        busy.done.wait(30)
+        hang.set()
+        stuck = sch.Job([{"role": "user", "content": "hello"}], runtime.GenerationConfig(max_new_tokens=4))
+        sched.submit(stuck)
+        _drain(s, 1.2)  # the last beats age out
+        silent = _drain(s, 1.5)
+        assert silent == [] and not stuck.done.is_set(), silent
+        release.set()
+        assert stuck.done.wait(30)
+    finally:
+        release.set()
+        sched.stop(1.0)
+        wd.stop()
+        s.close()
