@@ -77,7 +77,7 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
         if backend == "tvm":  # models/tvm_build.py: Relax model compiled for the board's GPU
             from .tvm_build import build_tvm_files
 
-            files, graph_info, tvm_fields, report = build_tvm_files(src, tmp, profile, progress)
+            files, graph_info, tvm_fields, report = build_tvm_files(src, tmp, profile, ctx, progress)
         elif backend == "native":
             files, report = _native_files(src, tmp, progress)
             graph_info = {"file": files[0], "index": files[1]}

@@ -119,12 +119,13 @@ def _register_nvcc(arch: str, record: dict) -> None:
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
 
 
-def compile_library(dims, out: Path, *, cuda_arch: str | None, host: str, use_cuda_graph: bool = True) -> dict:
+def compile_library(dims, out: Path, *, cuda_arch: str | None, host: str, max_ctx: int,
+                    use_cuda_graph: bool = True) -> dict:
     """Compile the model into out (a shared library holding the Relax VM executable); returns facts."""
     tvm = _tvm()
     from tvm import relax
 
-    from .tvm_model import build_ir
+    from .tvm_model import build_ir, windows_for
 
     if host not in HOSTS:
         raise TvmBuildError(f"tvm backend: no host toolchain for {host} (known: {', '.join(HOSTS)})")
@@ -147,17 +148,69 @@ def compile_library(dims, out: Path, *, cuda_arch: str | None, host: str, use_cu
     else:
         target = tvm.target.Target({"kind": "llvm", **host_target})
     t0 = time.monotonic()
-    mod, params = build_ir(dims)
+    windows = windows_for(max_ctx)
+    mod, params = build_ir(dims, max_ctx, windows)
+    for gv in list(mod.get_global_vars()):
+        if gv.name_hint.startswith("decode"):
+            # every argument of a decode step (ids, position, cache, tables, weights) is a buffer the session keeps
+            # for its life: num_input 0 tells RewriteCUDAGraph they are all static, so the whole step is captured
+            # as one CUDA graph (the runtime must pass the same tensors each call: runtime/backends/tvm.py does)
+            mod[gv] = mod[gv].with_attr("num_input", 0)
     cfg = {"relax.backend.use_cuda_graph": bool(cuda_arch and use_cuda_graph)}
     with tvm.transform.PassContext(opt_level=3, config=cfg):
-        ex = relax.build(mod, target=target)
+        ex = relax.build(mod, target=target, relax_pipeline=_cuda_pipeline(tvm, target) if cuda_arch else "default")
     if cuda_arch and "fatbin_bytes" not in facts:
         raise TvmBuildError("the CUDA build produced no fatbin (TVM fell back to CPU code or CUDA source)")
     ex.export_library(str(out), cc=cc)
-    facts.update(seconds=round(time.monotonic() - t0, 1), params=[n for n, _ in params],
+    facts.update(seconds=round(time.monotonic() - t0, 1), params=[n for n, _ in params], windows=windows,
                  shapes={n: [list(map(int, p.shape)), p.dtype] for n, p in params})
     log.info("tvm: compiled %s for %s/%s in %.1f s", out.name, cuda_arch or "cpu", host, facts["seconds"])
     return facts
+
+
+def _cuda_pipeline(tvm, target):
+    """TVM's default CUDA pipeline with one change: dlight's rules are tried per function and a schedule is kept
+    only if it also lowers (dlight's Reduction rule yields cross-thread reductions that do not lower for some
+    attention shapes; the next rule is taken instead of failing the build)."""
+    from tvm import s_tir, tirx
+    from tvm.relax.backend.cuda import pipeline as cp
+    from tvm.s_tir import dlight as dl
+
+    @tvm.transform.module_pass(opt_level=0, name="ScheduleGPU")
+    def schedule(mod, _ctx):
+        rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+        done = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or (func.attrs and "tirx.is_scheduled" in func.attrs):
+                continue
+            for rule in rules:
+                try:
+                    f = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({gv: func}))[gv]
+                    if not (f.attrs and "tirx.is_scheduled" in f.attrs):
+                        continue
+                    s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({gv: f}))
+                except Exception as e:  # noqa: BLE001 - a rule that does not fit: try the next
+                    log.debug("dlight %s on %s: %s", type(rule).__name__, gv.name_hint, str(e).strip()[-200:])
+                    continue
+                done[gv] = f
+                break
+            else:
+                raise TvmBuildError(f"no dlight GPU schedule fits {gv.name_hint} (it would run as CPU code)")
+        for gv, f in done.items():
+            mod[gv] = f
+        return mod
+
+    legalize = [p for p in cp.legalize_passes(target) if "ApplyDefaultSchedule" not in type(p).__name__
+                and "ApplyDefaultSchedule" not in str(getattr(p, "info", ""))]
+
+    @tvm.transform.module_pass(opt_level=0, name="BoardtalkCUDAPipeline")
+    def pipeline(mod, _ctx):
+        with target:
+            seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + legalize + [schedule]
+                                           + cp.dataflow_lower_passes(target) + cp.finalize_passes(target))
+            return seq(mod)
+
+    return pipeline
 
 
 # ---- weights ----------------------------------------------------------------------------------------
@@ -233,7 +286,7 @@ def write_weights(arrays: dict, order: list[str], shapes: dict, out: Path, align
     return {"params": index, "size": off}
 
 
-def build_tvm_files(src, out_dir: Path, profile, progress=None):
+def build_tvm_files(src, out_dir: Path, profile, max_ctx: int, progress=None):
     """The tvm backend's files in out_dir; returns (files, graph_info, tvm_fields, ExportReport)."""
     from runtime.backends.tvm import INDEX_FILE, INDEX_FORMAT, WEIGHTS_FILE, library_name
 
@@ -248,7 +301,7 @@ def build_tvm_files(src, out_dir: Path, profile, progress=None):
         if progress:
             progress(i, len(hosts) + 1, f"compile for {arch or 'cpu'} / {host}")
         name = library_name(host)
-        facts = compile_library(dims, out_dir / name, cuda_arch=arch, host=host)
+        facts = compile_library(dims, out_dir / name, cuda_arch=arch, host=host, max_ctx=max_ctx)
         libs[host] = name
     arrays = model_arrays(src)
     idx = write_weights(arrays, facts["params"], facts["shapes"], out_dir / WEIGHTS_FILE)
@@ -259,7 +312,8 @@ def build_tvm_files(src, out_dir: Path, profile, progress=None):
                                       encoding="utf-8")
     import tvm
 
-    fields = {"tvm_version": tvm.__version__, "device": "cuda" if arch else "cpu", "libraries": libs}
+    fields = {"tvm_version": tvm.__version__, "device": "cuda" if arch else "cpu", "libraries": libs,
+              "cache_rows": max_ctx, "decode_windows": facts["windows"], "cuda_graph": bool(arch)}
     if arch:
         major, minor = nvcc_version()
         fields.update(cuda_arch=arch, ptx_arch=f"compute_{arch.split('_')[1]}", ptx_isa=facts.get("ptx_isa"),

@@ -21,6 +21,7 @@ Exported functions (all take the parameters after these inputs, see ``export``):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 QK = 32  # GGUF block size (Q4_1, Q8_0)
@@ -54,7 +55,7 @@ def param_names(d: Dims) -> list[str]:
     return names + ["out_norm"]
 
 
-def build_ir(d: Dims):
+def build_ir(d: Dims, max_ctx: int, windows: list[int]):
     """(IRModule, [(name, nn.Parameter)]) of the model; import-time heavy (tvm)."""
     from tvm import te, tirx as tir
     from tvm.relax.frontend import nn
@@ -100,11 +101,14 @@ def build_ir(d: Dims):
         return te.compute(x.shape, lambda t, c: x[t, c] / te.sqrt(ss[t] / tir.const(C, f32) + tir.const(eps, f32))
                           * w[c], name="rms")
 
+    def at(start, t):  # the position of row t: start + t, start a symbolic int or a (1,) int32 tensor
+        return start[0].astype("int64") + t if isinstance(start, te.Tensor) else start + t
+
     def rope_q(qkv, cos, sin, start):  # q (T, H, D) f32 rotated, adjacent pairs
         def f(t, h, i):
             j = i // 2
             a, b = qkv[t, h * D + 2 * j], qkv[t, h * D + 2 * j + 1]
-            c, s = cos[start + t, j], sin[start + t, j]
+            c, s = cos[at(start, t), j], sin[at(start, t), j]
             return tir.if_then_else(i % 2 == 0, a * c - b * s, a * s + b * c)
 
         return te.compute((qkv.shape[0], H, D), f, name="rope_q")
@@ -116,7 +120,7 @@ def build_ir(d: Dims):
             j = i // 2
             base = C + h * D  # K heads then V heads follow Q in the stacked rows
             a, b = qkv[t, base + 2 * j], qkv[t, base + 2 * j + 1]
-            c, s = cos[start + t, j], sin[start + t, j]
+            c, s = cos[at(start, t), j], sin[at(start, t), j]
             rot = tir.if_then_else(i % 2 == 0, a * c - b * s, a * s + b * c)
             return tir.if_then_else(h < KVH, rot, qkv[t, base + i])
 
@@ -149,6 +153,40 @@ def build_ir(d: Dims):
             e[h, t, k3] * (kv[k3, KVH + h // G, i].astype(f32) * sc[k3, KVH + h // G]), axis=k3), name="pv")
         return te.compute((T_, H * D), lambda t, c: o[t, c // D, c % D] / den[c // D, t], name="ctx")
 
+    def dec_scores(q, kv, sc, pos, W):  # q (1, H, D); W = cache rows scanned (static) -> scores (H, W), masked
+        p = te.reduce_axis((0, D), name="d")
+        dot = te.compute((H, W), lambda h, j: te.sum(q[0, h, p] * kv[j, h // G, p].astype(f32), axis=p), name="qk")
+        return te.compute((H, W), lambda h, j: tir.if_then_else(
+            j <= pos[0].astype("int64"), dot[h, j] * sc[j, h // G] * tir.const(qscale, f32), tir.const(NEG_INF, f32)),
+                          name="score")
+
+    def softmax(sco):  # (H, W) -> (H, W)
+        W = sco.shape[1]
+        k1 = te.reduce_axis((0, W), name="j")
+        mx = te.compute((H,), lambda h: te.max(sco[h, k1], axis=k1), name="smax")
+        e = te.compute((H, W), lambda h, j: te.exp(sco[h, j] - mx[h]), name="sexp")
+        k2 = te.reduce_axis((0, W), name="j")
+        den = te.compute((H,), lambda h: te.sum(e[h, k2], axis=k2), name="ssum")
+        return te.compute((H, W), lambda h, j: e[h, j] / den[h], name="prob")
+
+    PV_CHUNK = 32
+
+    def dec_pv(pr, kv, sc):  # (H, W) probabilities -> (1, H*D) over the first W cache rows
+        W = pr.shape[1]
+        nc = (W + PV_CHUNK - 1) // PV_CHUNK
+        k = te.reduce_axis((0, PV_CHUNK), name="j")
+
+        def part(h, c, i):  # rows [c*32, c*32 + 32) of one chunk: many threads, short loops
+            j = c * PV_CHUNK + k
+            jj = tir.min(j, W - 1)
+            return te.sum(tir.if_then_else(j < W, pr[h, jj] * (kv[jj, KVH + h // G, i].astype(f32) *
+                                                               sc[jj, KVH + h // G]), tir.const(0, f32)), axis=k)
+
+        partial = te.compute((H, nc, D), part, name="pv_part")
+        c = te.reduce_axis((0, nc), name="c")
+        o = te.compute((H, D), lambda h, i: te.sum(partial[h, c, i], axis=c), name="pv")
+        return te.compute((1, H * D), lambda t, x: o[x // D, x % D], name="ctx")
+
     def swiglu(gu):  # (T, 2F) -> (T, F)
         return te.compute((gu.shape[0], F), lambda t, i: gu[t, i] / (tir.const(1, f32) + te.exp(-gu[t, i])) * gu[t, F + i],
                           name="swiglu")
@@ -170,6 +208,22 @@ def build_ir(d: Dims):
                 kv[start + vt, vh, vi] = codes[vt, vh, vi]
                 if vi == 0:
                     sc[start + vt, vh] = scales[vt, vh]
+
+    @T.prim_func(private=True, s_tir=True)
+    def kv_write_at(var_kv: T.handle, var_sc: T.handle, var_codes: T.handle, var_scales: T.handle, var_pos: T.handle):
+        T.func_attr({"tir.noalias": True})
+        S = T.int64()
+        kv = T.match_buffer(var_kv, (S, 2 * KVH, D), "int8")
+        sc = T.match_buffer(var_sc, (S, 2 * KVH), f32)
+        codes = T.match_buffer(var_codes, (1, 2 * KVH, D), "int8")
+        scales = T.match_buffer(var_scales, (1, 2 * KVH), f32)
+        pos = T.match_buffer(var_pos, (1,), "int32")
+        for h, i in T.grid(2 * KVH, D):
+            with T.sblock("write"):
+                vh, vi = T.axis.remap("SS", [h, i])
+                kv[T.Cast("int64", pos[0]), vh, vi] = codes[0, vh, vi]
+                if vi == 0:
+                    sc[T.Cast("int64", pos[0]), vh] = scales[0, vh]
 
     # ---- the module -----------------------------------------------------------------------------------
     class Q4Linear(nn.Module):
@@ -204,6 +258,24 @@ def build_ir(d: Dims):
             gu = op.tensor_expr_op(swiglu, "swiglu", [self.gate_up(x)])
             return op.tensor_expr_op(add, "add", [h, self.down(gu)]), kv, sc
 
+        def step(self, h, cos, sin, kv, sc, pos, window: int):
+            """One token at position pos[0] (a device tensor: every shape static, so the whole step can be
+            captured in one CUDA graph); attention scans the first `window` cache rows, masked beyond pos."""
+            x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.attn_norm])
+            qkv = self.qkv(x)
+            q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, pos])
+            codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, pos])
+            kv, sc = op.tensor_ir_inplace_op(kv_write_at, "kv_write_at", [kv, sc, codes, scales, pos], [0, 1],
+                                             [nn.Tensor.placeholder(kv.shape, "int8"),
+                                              nn.Tensor.placeholder(sc.shape, f32)])
+            sco = op.tensor_expr_op(functools.partial(dec_scores, W=window), f"dec_scores{window}", [q, kv, sc, pos])
+            pr = op.tensor_expr_op(softmax, "softmax", [sco])
+            ctx = op.tensor_expr_op(dec_pv, "dec_pv", [pr, kv, sc])
+            h = op.tensor_expr_op(add, "add", [h, self.o(ctx)])
+            x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.ffn_norm])
+            gu = op.tensor_expr_op(swiglu, "swiglu", [self.gate_up(x)])
+            return op.tensor_expr_op(add, "add", [h, self.down(gu)]), kv, sc
+
     class Model(nn.Module):
         def __init__(self):
             self.embd_qs = nn.Parameter((V, C), "int8")
@@ -225,20 +297,45 @@ def build_ir(d: Dims):
         def prefill(self, ids, rows, cos, sin, kvs, scs, start):
             return self._run(ids, rows, cos, sin, kvs, scs, start)
 
-        def decode(self, ids, rows, cos, sin, kvs, scs, start):
-            return self._run(ids, rows, cos, sin, kvs, scs, start)
+        def _step(self, ids, pos, cos, sin, kvs, scs, window):
+            h = op.tensor_expr_op(embed, "embed", [ids, self.embd_qs, self.embd_d])
+            outs = []
+            for layer, kv, sc in zip(self.layers, kvs, scs):
+                h, kv, sc = layer.step(h, cos, sin, kv, sc, pos, window)
+                outs += [kv, sc]
+            x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.out_norm])
+            return op.tensor_expr_op(q8_logits, "logits", [x, self.embd_qs, self.embd_d]), outs
 
     from tvm.relax.frontend.nn import spec
 
     L = d.n_layers
+    def decode_fn(w):
+        def decode(self, ids, pos, cos, sin, kvs, scs):
+            return self._step(ids, pos, cos, sin, kvs, scs, w)
 
-    def method(t, r):
-        return {"ids": spec.Tensor([t], "int32"), "rows": spec.Tensor([r], "int32"),
-                "cos": spec.Tensor(["P", HALF], f32), "sin": spec.Tensor(["P", HALF], f32),
-                "kvs": [spec.Tensor(["S", 2 * KVH, D], "int8") for _ in range(L)],
-                "scs": [spec.Tensor(["S", 2 * KVH], f32) for _ in range(L)],
-                "start": spec.Int()}
+        return decode
 
+    for w in windows:  # one decode function per attention window (static shapes: one CUDA graph each)
+        setattr(Model, f"decode{w}", decode_fn(w))
+
+    def cache_spec():
+        return {"cos": spec.Tensor([max_ctx, HALF], f32), "sin": spec.Tensor([max_ctx, HALF], f32),
+                "kvs": [spec.Tensor([max_ctx, 2 * KVH, D], "int8") for _ in range(L)],
+                "scs": [spec.Tensor([max_ctx, 2 * KVH], f32) for _ in range(L)]}
+
+    specs = {"prefill": {"ids": spec.Tensor(["T"], "int32"), "rows": spec.Tensor(["R"], "int32"), **cache_spec(),
+                         "start": spec.Int()}}
+    for w in windows:
+        specs[f"decode{w}"] = {"ids": spec.Tensor([1], "int32"), "pos": spec.Tensor([1], "int32"), **cache_spec()}
     model = Model()
-    mod, params = model.export_tvm(spec={"prefill": method("T", "R"), "decode": method(1, 1)})
+    mod, params = model.export_tvm(spec=specs)
     return mod, params
+
+
+def windows_for(max_ctx: int) -> list[int]:
+    """Decode attention windows: powers of two from 128 up to max_ctx (a step scans at most twice the rows it needs)."""
+    out, w = [], 128
+    while w < max_ctx:
+        out.append(w)
+        w *= 2
+    return out + [max_ctx]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+# tvm_ffi imports torch when it can (~4-6 s): a board has no torch, and neither needs it; keep load times honest
+sys.modules.setdefault("torch", None)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))

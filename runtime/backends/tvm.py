@@ -128,8 +128,11 @@ def check_gpu(ffi, cuda_arch: str) -> str:
 
 
 class TvmCache(KVCache):
-    """One session's int8 KV cache on the device: per layer kv (S, 2*KVH, D) int8 and sc (S, 2*KVH) float32.
-    ``kv`` and ``scale`` read back host copies in the layer-major layout (for tests and the context shift)."""
+    """One session's int8 KV cache on the device: per layer kv (R, 2*KVH, D) int8 and sc (R, 2*KVH) float32, R the
+    artifact's cache rows (static shapes; the session uses the first max_seq), plus the session's own VM and the
+    (1,) id and position buffers its decode steps read: a CUDA graph captured on the first decode step replays
+    on exactly these buffers. ``kv`` and ``scale`` read back host copies of the first max_seq rows, layer-major
+    (for tests and the context shift)."""
 
     def __init__(self, backend: "TvmBackend", max_seq: int):
         a = backend.cfg
@@ -137,24 +140,26 @@ class TvmCache(KVCache):
         self.tokens = []
         self.owner = backend
         vm = backend.new_vm()
-        self.prefill_fn, self.decode_fn = vm["prefill"], vm["decode"]
-        kvh2 = 2 * a.n_kv_heads
-        self.kvs = [backend.empty((max_seq, kvh2, a.head_dim), "int8") for _ in range(a.n_layers)]
-        self.scs = [backend.empty((max_seq, kvh2), "float32") for _ in range(a.n_layers)]
-        zero = np.zeros((max_seq, kvh2), np.float32)
+        self.prefill_fn = vm["prefill"]
+        self.decode_fns = [(w, vm[f"decode{w}"]) for w in backend.windows]
+        rows, kvh2 = backend.cache_rows, 2 * a.n_kv_heads
+        self.kvs = [backend.empty((rows, kvh2, a.head_dim), "int8") for _ in range(a.n_layers)]
+        self.scs = [backend.empty((rows, kvh2), "float32") for _ in range(a.n_layers)]
+        zero = np.zeros((rows, kvh2), np.float32)
         for s in self.scs:
             backend.upload(s, zero)
+        self.ids_t, self.pos_t = backend.empty((1,), "int32"), backend.empty((1,), "int32")
 
     @property
     def kv(self) -> np.ndarray:
-        a = self.owner.cfg
-        return np.stack([self.owner.download(t, (self.max_seq, 2 * a.n_kv_heads, a.head_dim), np.int8)
+        a, rows = self.owner.cfg, self.owner.cache_rows
+        return np.stack([self.owner.download(t, (rows, 2 * a.n_kv_heads, a.head_dim), np.int8)[: self.max_seq]
                          for t in self.kvs])
 
     @property
     def scale(self) -> np.ndarray:
-        a = self.owner.cfg
-        return np.stack([self.owner.download(t, (self.max_seq, 2 * a.n_kv_heads), np.float32)
+        a, rows = self.owner.cfg, self.owner.cache_rows
+        return np.stack([self.owner.download(t, (rows, 2 * a.n_kv_heads), np.float32)[: self.max_seq]
                          for t in self.scs])[..., None]
 
     def append(self, ids, kv, scale) -> None:
@@ -166,13 +171,14 @@ class TvmCache(KVCache):
         host.max_seq, host.n_kv_heads, host.layer_major = self.max_seq, self.n_kv_heads, True
         host.kv, host.scale, host.tokens = self.kv, self.scale, list(self.tokens)
         KVCache.shift(host, keep, drop, rotate)
+        pad = self.owner.cache_rows - self.max_seq
         for i, (k, s) in enumerate(zip(self.kvs, self.scs)):
-            self.owner.upload(k, np.ascontiguousarray(host.kv[i]))
-            self.owner.upload(s, np.ascontiguousarray(host.scale[i, ..., 0]))
+            self.owner.upload(k, np.pad(host.kv[i], ((0, pad), (0, 0), (0, 0))))
+            self.owner.upload(s, np.pad(host.scale[i, ..., 0], ((0, pad), (0, 0))))
         self.tokens = host.tokens
 
     def close(self) -> None:
-        self.kvs, self.scs, self.prefill_fn, self.decode_fn = [], [], None, None
+        self.kvs, self.scs, self.prefill_fn, self.decode_fns = [], [], None, []
 
 
 class TvmBackend:
@@ -218,6 +224,10 @@ class TvmBackend:
         except Exception as e:  # noqa: BLE001 - TVM raises its own error types
             raise TvmUnavailable(f"{libs[host]}: TVM cannot load it ({(str(e).splitlines() or [''])[0][:200]})") from None
         self.max_seq = manifest.max_context
+        self.cache_rows, self.windows = info.get("cache_rows"), info.get("decode_windows")
+        if self.cache_rows != self.max_seq or not self.windows or self.windows[-1] != self.cache_rows:
+            raise ArtifactError(f"manifest tvm.cache_rows {self.cache_rows} / decode_windows {self.windows} do not "
+                                f"match max_context {self.max_seq}")
         cos, sin = rope_tables(arch, self.max_seq)
         self.cos, self.sin = self.empty(cos.shape, "float32"), self.empty(sin.shape, "float32")
         self.upload(self.cos, cos)
@@ -276,17 +286,31 @@ class TvmBackend:
             raise ValueError(f"{start} cached + {T} new positions exceed the cache's {cache.max_seq}")
         out = np.empty((T - logits_from, self.vocab), np.float32)
         ids32 = np.ascontiguousarray(ids, np.int32)
-        for c0 in range(0, T, MAX_T):
+        c0 = 0
+        while c0 < T:
             c1 = min(T, c0 + MAX_T)
-            lf = max(logits_from - c0, 0)
-            rows = np.arange(lf, c1 - c0, dtype=np.int32) if c1 - 1 >= logits_from else np.array([c1 - c0 - 1], np.int32)
-            fn = cache.decode_fn if c1 - c0 == 1 else cache.prefill_fn
-            ids_t, rows_t = self.empty((c1 - c0,), "int32"), self.empty((len(rows),), "int32")
-            self.upload(ids_t, ids32[c0:c1])
-            self.upload(rows_t, rows)
-            res = fn(ids_t, rows_t, self.cos, self.sin, cache.kvs, cache.scs, self.ffi.Shape([start + c0]), *self.params)
-            if c1 - 1 >= logits_from:
-                out[c0 + lf - logits_from : c1 - logits_from] = self.download(res[0], (len(rows), self.vocab), np.float32)
+            if c1 - c0 == 1:  # a decode step: one captured CUDA graph (GPU)
+                pos = start + c0
+                w = next(w for w, _ in cache.decode_fns if w > pos)
+                fn = dict(cache.decode_fns)[w]
+                self.upload(cache.ids_t, ids32[c0:c1])
+                self.upload(cache.pos_t, np.array([pos], np.int32))
+                res = fn(cache.ids_t, cache.pos_t, self.cos, self.sin, cache.kvs, cache.scs, *self.params)
+                if c0 >= logits_from:
+                    out[c0 - logits_from] = self.download(res[0], (1, self.vocab), np.float32)[0]
+            else:
+                lf = max(logits_from - c0, 0)
+                wanted = c1 - 1 >= logits_from
+                rows = np.arange(lf, c1 - c0, dtype=np.int32) if wanted else np.array([c1 - c0 - 1], np.int32)
+                ids_t, rows_t = self.empty((c1 - c0,), "int32"), self.empty((len(rows),), "int32")
+                self.upload(ids_t, ids32[c0:c1])
+                self.upload(rows_t, rows)
+                res = cache.prefill_fn(ids_t, rows_t, self.cos, self.sin, cache.kvs, cache.scs,
+                                       self.ffi.Shape([start + c0]), *self.params)
+                if wanted:
+                    out[c0 + lf - logits_from : c1 - logits_from] = self.download(res[0], (len(rows), self.vocab),
+                                                                                   np.float32)
+            c0 = c1
         cache.tokens.extend(int(i) for i in ids)
         return out
 
