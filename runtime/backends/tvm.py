@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,9 @@ class TvmBackend:
                                  f"{host} machine: rebuild it for this board")
         ffi = _load_runtime(cuda=bool(self.cuda_arch))
         self.ffi = ffi
+        # One GPU step at a time: the device runs them one after another anyway, and a CUDA graph being captured
+        # for one session must not see another thread's copies (cudaStreamCaptureModeGlobal forbids them).
+        self._gpu_lock = threading.Lock() if self.cuda_arch else None
         if self.cuda_arch:
             self.gpu = check_gpu(ffi, self.cuda_arch)
             self.dev = ffi.device("cuda", 0)
@@ -284,6 +288,15 @@ class TvmBackend:
         start, T = len(cache), int(ids.shape[0])
         if start + T > cache.max_seq:
             raise ValueError(f"{start} cached + {T} new positions exceed the cache's {cache.max_seq}")
+        if self._gpu_lock is not None:
+            with self._gpu_lock:
+                out = self._forward(cache, ids, logits_from, start, T)
+        else:
+            out = self._forward(cache, ids, logits_from, start, T)
+        cache.tokens.extend(int(i) for i in ids)
+        return out
+
+    def _forward(self, cache: TvmCache, ids: np.ndarray, logits_from: int, start: int, T: int) -> np.ndarray:
         out = np.empty((T - logits_from, self.vocab), np.float32)
         ids32 = np.ascontiguousarray(ids, np.int32)
         c0 = 0
@@ -311,7 +324,6 @@ class TvmBackend:
                     out[c0 + lf - logits_from : c1 - logits_from] = self.download(res[0], (len(rows), self.vocab),
                                                                                    np.float32)
             c0 = c1
-        cache.tokens.extend(int(i) for i in ids)
         return out
 
     def rewind(self, cache: KVCache, n: int) -> None:
