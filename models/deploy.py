@@ -112,6 +112,7 @@ class DeployOptions:
     max_context: int | None = None
     sign_key: str | None = None
     artifact: str | None = None  # deploy this built artifact instead of building
+    wheels: str | None = None  # ship the wheels in this directory instead of making them
     out: str | None = None  # build into this directory or .tar/.tar.gz/.tgz
     identity: str | None = None
     ssh_options: list[str] = field(default_factory=list)
@@ -289,14 +290,18 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
     def wheels() -> str:
         info = st.board_info
         pyver = f"{info['python'][0]}.{info['python'][1]}"
-        st.wheels, st.runtime_wheel, st.pip_wheel = make_wheelhouse(pyver, info["machine"], info["glibc"], extra)
+        if opts.wheels:
+            st.wheels, st.runtime_wheel, st.pip_wheel = given_wheelhouse(Path(opts.wheels))
+        else:
+            st.wheels, st.runtime_wheel, st.pip_wheel = make_wheelhouse(pyver, info["machine"], info["glibc"], extra)
         st.stamp = wheelhouse_stamp(st.wheels)
         n = len(list(st.wheels.glob("*.whl")))
         mib = sum(p.stat().st_size for p in st.wheels.glob("*.whl")) / 2**20
         return f"{n} wheels ({mib:.1f} MiB) for cp{pyver.replace('.', '')} {info['machine']} in {st.wheels}"
 
-    steps.append(Step("wheels", "make the runtime's wheels here for the board's Python and platform (needs PyPI or "
-                                "pip's cache here; the board needs neither)",
+    steps.append(Step("wheels", f"use the wheels in {opts.wheels}" if opts.wheels else
+                      "make the runtime's wheels here for the board's Python and platform (needs PyPI or pip's cache "
+                      "here; the board needs neither)", [] if opts.wheels else
                       [f"{sys.executable} -m pip wheel --no-deps -w WHEELS {REPO}",
                        f"{sys.executable} -m pip download --only-binary=:all: --platform manylinux_2_<glibc>_"
                        f"{profile.arch} --python-version <board's> -d WHEELS WHEELS/boardtalk-*.whl"
@@ -448,6 +453,16 @@ def make_wheelhouse(pyver: str, machine: str, glibc: str, extra: str | None) -> 
     return wh, built[0].name, pips[0].name
 
 
+def given_wheelhouse(wh: Path) -> tuple[Path, str, str]:
+    """--wheels DIR: (DIR, its boardtalk wheel, its pip wheel); one of each, or DeployError."""
+    found = {k: sorted(p.name for p in wh.glob(f"{k}-*.whl")) for k in ("boardtalk", "pip")}
+    for k, names in found.items():
+        if len(names) != 1:
+            raise DeployError(f"deploy step 'wheels': --wheels {wh} must hold one {k} wheel, it holds {len(names)} "
+                              "(a deploy leaves its wheels in the cache's deploy-wheels/ directory)")
+    return wh, found["boardtalk"][0], found["pip"][0]
+
+
 def _has_setuptools() -> bool:
     """Whether this Python can build the wheel without fetching a build environment (setuptools + wheel)."""
     import importlib.util
@@ -562,7 +577,7 @@ def options_from_args(args) -> DeployOptions:
     return DeployOptions(
         board=args.board, to=parse_target(args.to, args.port) if args.to else None, model=args.model,
         backend=args.backend, max_context=args.max_context, sign_key=args.sign_key, artifact=args.artifact,
-        out=args.out, identity=args.identity, ssh_options=list(args.ssh_option), remote_python=args.remote_python,
+        out=args.out, wheels=args.wheels, identity=args.identity, ssh_options=list(args.ssh_option), remote_python=args.remote_python,
         transfer=args.transfer, service=args.service)
 
 

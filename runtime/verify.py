@@ -213,6 +213,10 @@ def add_commands(sub) -> None:
     d.add_argument("--out", metavar="PATH", type=_path,
                    help="where to build: a directory, or a .tar/.tar.gz/.tgz to pack (default: the cache's artifact "
                         "path for model, backend and board)")
+    d.add_argument("--wheels", metavar="DIR", type=_path,
+                   help="ship the wheels in DIR (one boardtalk wheel, pip's wheel and the runtime's dependencies for the "
+                        "board, e.g. an earlier deploy's, kept in the cache's deploy-wheels/) instead of making them "
+                        "here: for a build machine without PyPI (default: make them)")
     d.add_argument("--remote-python", default="python3", metavar="CMD",
                    help="the board's Python >= 3.10 (default: %(default)s)")
     d.add_argument("--transfer", choices=("auto", "rsync", "tar"), default="auto",
