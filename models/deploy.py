@@ -595,7 +595,7 @@ def main(args) -> int:
     steps, st = plan(opts)
     where = f"to {opts.to}" if opts.to else "(build only: no --to)"
     what = f"artifact {opts.artifact}" if opts.artifact else f"{opts.model} ({opts.backend})"
-    print(f"deploy {what} for {opts.board} {where}: {len(steps)} steps"
+    print(f"deploy {what} for {opts.board} {where}: {len(steps)} step{'s' if len(steps) > 1 else ''}"
           f"{' (dry run: nothing is run)' if args.dry_run else ''}", file=sys.stderr)
     t_all = time.monotonic()
     for i, s in enumerate(steps, 1):

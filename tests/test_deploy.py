@@ -91,6 +91,26 @@ def test_bad_deploy_options_are_one_line(capsys, args, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1 and err.startswith("boardtalk: error:")
 
 
+def test_verify_prints_backend_threads_ttft_and_speed(tiny_artifacts, capsys):
+    rc, out, _ = _run_cli(["verify", "--artifact", str(tiny_artifacts["native"]), "--threads", "1", "--json"], capsys)
+    v = json.loads(out)
+    assert rc == 0 and v["backend"] == "native" and v["threads"] == 1 and len(v["token_ids"]) == 16
+    assert v["ttft_ms"] > 0 and v["decode_tokens_per_s"] > 0 and v["files"] == 4 and len(v["manifest_sha256"]) == 64
+    rc, out, _ = _run_cli(["verify", "--artifact", str(tiny_artifacts["onnxruntime"]), "--tokens", "4"], capsys)
+    assert rc == 0 and out.startswith("ok: tiny-random-llama on ") and "backend onnxruntime" in out and "tok/s" in out
+
+
+def test_verify_refuses_a_damaged_artifact_in_one_line(tiny_artifacts, tmp_path, capsys):
+    """One flipped byte in the weights: verify exits 2 naming the file, before running anything."""
+    art = shutil.copytree(tiny_artifacts["native"], tmp_path / "art")
+    w = art / "weights.bin"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 1
+    w.write_bytes(bytes(data))
+    rc, out, err = _run_cli(["verify", "--artifact", str(art)], capsys)
+    assert rc == 2 and out == "" and "weights.bin" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.kernels
 @pytest.mark.skipif(not CROSS, reason="install gcc-aarch64-linux-gnu to build for the Pi 5")
 def test_build_only_packs_a_pi5_tarball(tiny_gguf, tmp_path, capsys):
