@@ -50,9 +50,14 @@ BACKEND_EXTRAS = {"onnxruntime": "onnxruntime", "tvm": "tvm"}  # backend -> setu
 _SAFE_DIR = re.compile(r"[A-Za-z0-9._/+-]+")  # board paths are used in remote shells and rsync: no quoting games
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
-PROBE = ("import json, os, platform, shutil, sys; print(json.dumps({'python': list(sys.version_info[:3]), "
-         "'machine': platform.machine(), 'glibc': platform.libc_ver()[1], 'rsync': bool(shutil.which('rsync')), "
-         "'systemctl': bool(shutil.which('systemctl')), 'home': os.path.expanduser('~')}))")
+PROBE = ("import ctypes, json, os, platform, shutil, sys\n"
+         "def lib(n):\n"
+         "    try:\n        ctypes.CDLL(n)\n        return True\n"
+         "    except OSError:\n        return False\n"
+         "print(json.dumps({'python': list(sys.version_info[:3]), 'machine': platform.machine(), "
+         "'glibc': platform.libc_ver()[1], 'rsync': bool(shutil.which('rsync')), "
+         "'systemctl': bool(shutil.which('systemctl')), 'gomp': lib('libgomp.so.1'), "
+         "'home': os.path.expanduser('~')}))")
 
 
 class DeployError(RuntimeError):
@@ -206,6 +211,8 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
         raise ValueError("--artifact deploys an artifact already built; --out is where to build one: give one")
     if opts.out and opts.to and _tarball(opts.out):
         raise ValueError("--out must be a directory when deploying (--to); a tarball is for build-only runs")
+    if opts.artifact and not Path(opts.artifact).exists():
+        raise ValueError(f"--artifact {opts.artifact}: no such file or directory")
     if opts.transfer not in ("auto", "rsync", "tar"):
         raise ValueError(f"transfer must be auto, rsync or tar, got {opts.transfer!r}")
     st = _State()
@@ -233,6 +240,9 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
             if machine != profile.arch:
                 raise DeployError(f"deploy step 'probe': {to.dest} is {machine}, but board {profile.name} is "
                                   f"{profile.arch}: wrong --board or wrong host")
+            if opts.backend == "native" and not info.get("gomp"):
+                raise DeployError(f"deploy step 'probe': {to.dest} has no libgomp.so.1, the OpenMP runtime the native "
+                                  "kernels link: install it there (apt install libgomp1), or --backend onnxruntime")
             info["machine"] = machine
             st.board_info = info
             return (f"Python {'.'.join(map(str, info['python']))}, {machine}, glibc {info['glibc'] or '?'}, "
