@@ -203,6 +203,7 @@ def test_hostile_requests_get_4xx_and_the_service_lives(server):
     assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'))) == 400
     assert status(_raw(port, _post(b"[" * 100000 + b"]" * 100000))) in (400, 413)
     assert status(_raw(port, _post(b'"just a string"'))) == 400
+    assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'))) == 400  # surrogate
     assert status(_raw(port, _post(b"x" * (65 * 1024)))) == 413
     assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "hi"}]}', "Content-Encoding: gzip\r\n"))) == 415
     big = json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}).encode()

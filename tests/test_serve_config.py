@@ -124,6 +124,9 @@ def test_parse_defaults_cap_and_system_prompt():
     ({"stop": [""]}, "stop"),
     ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a\0b"}]}, "messages[0].content"),
+    ({"stop": ["\udfff"]}, "stop"),
     ({"n": 2}, "n"),
     ({"tools": [{"type": "function"}]}, "tools"),
 ])

@@ -61,6 +61,15 @@ def _content(m, i: int) -> str:
                      f"{type(c).__name__}", f"messages[{i}].content")
 
 
+def _encodable(text: str) -> bool:
+    """JSON's \\ud800 escapes decode to lone surrogates, which are not UTF-8 and cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _messages(raw, system_prompt: str) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty array of {role, content}", "messages")
@@ -75,8 +84,9 @@ def _messages(raw, system_prompt: str) -> list[dict]:
         if m.get("tool_calls") or m.get("function_call"):
             raise BadRequest(f"messages[{i}]: tool calls are not supported", f"messages[{i}]")
         text = _content(m, i)
-        if "\0" in text:
-            raise BadRequest(f"messages[{i}].content contains a NUL character", f"messages[{i}].content")
+        if "\0" in text or not _encodable(text):
+            raise BadRequest(f"messages[{i}].content contains a NUL character or a lone surrogate (\\ud800-\\udfff)",
+                             f"messages[{i}].content")
         out.append({"role": ROLES[role], "content": text})
     if out[0]["role"] != "system" and system_prompt:
         out.insert(0, {"role": "system", "content": system_prompt})
@@ -131,7 +141,8 @@ def parse_chat_request(body, *, max_tokens_cap: int, system_prompt: str) -> Chat
         stops = tuple(stop)
     elif stop is not None:
         raise BadRequest("stop must be a string or an array of strings", "stop")
-    if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
+    if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS or not _encodable(s)
+                                     for s in stops):
         raise BadRequest(f"stop must be at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                          "characters", "stop")
     cfg = GenerationConfig(max_new_tokens=min(asked or max_tokens_cap, max_tokens_cap),

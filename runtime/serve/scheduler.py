@@ -283,7 +283,11 @@ class Scheduler:
             job._post(("done", GenerationStats(finish_reason="cancelled")))
             self._count_cancel(job)
             return
-        ids = self.model.chat_ids(job.messages)
+        try:
+            ids = self.model.chat_ids(job.messages)
+        except ValueError as e:  # the template refused the conversation (a client's error, not ours)
+            job._post(("error", e))
+            return
         room = self.session.max_context - 1
         if len(ids) > room:
             raise_to = PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {self.session.max_context} "
