@@ -525,6 +525,8 @@ def install_script(d: str, pyq: str, pip_wheel: str, runtime_wheel: str, extra: 
     req = shlex.quote(f"wheels/{runtime_wheel}" + (f"[{extra}]" if extra else ""))
     launcher = ("#!/bin/sh\n# written by boardtalk deploy: the runtime in ../runtime, run by the board's Python\n"
                 'DIR=$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)\n'
+                # for 'boardtalk install-service': the unit's ExecStart must be this launcher, not bare python
+                'BOARDTALK_LAUNCHER="$DIR/bin/boardtalk"; export BOARDTALK_LAUNCHER\n'
                 f'PYTHONPATH="$DIR/runtime${{PYTHONPATH:+:$PYTHONPATH}}" exec {pyq} -m runtime.cli "$@"\n')
     return f"""set -e
 cd {q}
