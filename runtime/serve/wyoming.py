@@ -65,6 +65,26 @@ async def _in_thread(engine, fn, *args):
     return await asyncio.to_thread(run)
 
 
+_asr_owner: dict[int, object] = {}  # id(asr engine) -> the utterance its reusable state belongs to
+
+
+async def _transcribe(asr, utterance: object, audio: Callable[[], np.ndarray]):
+    """asr.transcribe(audio()) in a thread for one utterance. The ASR interface lets an engine reuse work
+    between passes of one utterance until reset(): when the engine's last pass was another utterance's
+    (another connection, or the previous request), it is reset first, so no words leak across."""
+    lock = engine_lock(asr)
+
+    def run():
+        with lock:
+            if _asr_owner.get(id(asr)) is not utterance:
+                if hasattr(asr, "reset"):
+                    asr.reset()
+                _asr_owner[id(asr)] = utterance
+            return asr.transcribe(audio())
+
+    return await asyncio.to_thread(run)
+
+
 # -- audio in and out ------------------------------------------------------------------------------------------
 def pcm_to_float(data: bytes, width: int, channels: int) -> np.ndarray:
     """Mono float32 in [-1, 1] of interleaved little-endian signed PCM (width 1-4 bytes; 1 is signed 8-bit,
@@ -95,6 +115,7 @@ class AudioBuffer:
         self._rate: int | None = None
         self.seconds = 0.0  # of audio kept
         self.dropped_s = 0.0  # of audio past max_s
+        self.token = object()  # this utterance, for the ASR engine's reuse between passes (_transcribe)
 
     def add(self, x: np.ndarray, rate: int) -> None:
         room = self.max_s - self.seconds
@@ -355,7 +376,7 @@ class _Connection:
         """A pass on the audio so far; the words it agrees on with the previous pass go out as chunks."""
         try:
             audio = buf.snapshot()
-            text = (await _in_thread(self.asr, lambda: self.asr.transcribe(audio()))).text
+            text = (await _transcribe(self.asr, buf.token, audio)).text
             if buf is not self.audio:
                 return  # that utterance ended meanwhile
             words = text.split()
@@ -385,10 +406,10 @@ class _Connection:
         buf = self.audio or AudioBuffer()
         if self.partial is not None:  # a thread cannot be interrupted: let it finish (its chunks may go out)
             await asyncio.shield(self.partial)
-        audio = await asyncio.to_thread(buf.snapshot())
+        audio = buf.snapshot()
         text = ""
-        if len(audio):
-            text = (await _in_thread(self.asr, self.asr.transcribe, audio)).text.strip()
+        if buf.seconds:
+            text = (await _transcribe(self.asr, buf.token, audio)).text.strip()
         words = text.split()
         if len(words) < len(self.committed) or agreed_prefix(self.committed, words) < len(self.committed):
             log.info("wyoming: the final pass changed streamed words: %r -> %r", " ".join(self.committed), text)
