@@ -4,6 +4,7 @@ gating, forgetting after the idle timeout), and end to end through ``python -m v
 engines and SmolLM2 on espeak-ng speech (wake phrase gating, the earcon in the output, no stray files)."""
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -429,7 +430,7 @@ def test_key_reader_on_a_terminal_and_refusal_without_one():
 
 @pytest.mark.voice
 @pytest.mark.slow
-def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path):
+def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path, caplog):
     """Live mode on the private PulseAudio's virtual microphone and speaker: "hey coco, what color is the sky?"
     played into the microphone is answered on the speaker, after the listen earcon."""
     if shutil.which("espeak-ng") is None:
@@ -445,14 +446,16 @@ def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path):
     asr.warmup(), tts.warmup()
     q = np.concatenate([_espeak("Hey Coco, what color is the sky?", tmp_path), np.zeros(SR // 2, np.float32)])
     write_wav(tmp_path / "q.wav", q, SR)
-    out, stop = io.StringIO(), threading.Event()
+    out, stop, ready = io.StringIO(), threading.Event(), threading.Event()
     face = Face("Coco", out, tty=False)
+    caplog.set_level(logging.DEBUG, logger="voice_demo")
     th = threading.Thread(target=run_live, args=(model, vad, asr, tts, P.load_persona("coco"), "virtual_mic",
-                                                 "speaker", face, stop))
+                                                 "speaker", face, stop, ready))
     rec = pulse.record_speaker(tmp_path / "spk.raw")
     th.start()
     try:
-        time.sleep(2.0)  # the devices open (a PulseAudio source's first read waits ~1.9 s)
+        assert ready.wait(20), "no microphone window in 20 s"
+        time.sleep(0.5)
         pulse.play_into_mic(tmp_path / "q.wav", wait=True)
         deadline = time.monotonic() + 20
         while "[coco] listening" not in out.getvalue() and time.monotonic() < deadline:
@@ -463,7 +466,7 @@ def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path):
         th.join(10)
         rec.terminate(), rec.wait(5)
     lines = out.getvalue().splitlines()
-    assert "[coco] speaking" in lines and lines[-1] == "[coco] listening", lines
+    assert "[coco] speaking" in lines and lines[-1] == "[coco] listening", (lines, caplog.text)
     assert any(line.startswith("coco: ") and len(line) > 7 for line in lines), lines
     y = read_raw_f32(tmp_path / "spk.raw")
     loud = np.nonzero(np.abs(y) > 0.05)[0]

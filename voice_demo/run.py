@@ -144,10 +144,11 @@ class KeyReader:
 
 
 def run_live(model, vad, asr, tts, persona: Persona, input_device=None, output_device=None, face=None,
-             stop: threading.Event | None = None) -> int:
+             stop: threading.Event | None = None, ready: threading.Event | None = None) -> int:
     """The toy on the sound card until Ctrl-C (KeyboardInterrupt propagates, after everything is closed and
     the terminal restored) or until ``stop`` is set. While the microphone is missing (audio.py retries it),
-    the toy is fed silence on the clock, so a reply being spoken still ends and the timers still run."""
+    the toy is fed silence on the clock, so a reply being spoken still ends and the timers still run.
+    ``ready`` is set once the first microphone window has reached the toy."""
     from runtime.voice.audio import Microphone, Speaker
     from runtime.voice.live import SpeakerSink
 
@@ -169,6 +170,8 @@ def run_live(model, vad, asr, tts, persona: Persona, input_device=None, output_d
                 if got is not None:
                     t_last = got[1]
                     toy.feed(*got)
+                    if ready is not None:
+                        ready.set()
                     missing_shown = False
                 elif not mic.connected.is_set():
                     if not missing_shown and face is not None and time.monotonic() - t_start > 3.0:

@@ -52,6 +52,12 @@ class ToySink:
         with self._lock:
             self._before = before
 
+    def take_armed(self):
+        """Disarm, returning what was armed (None: nothing)."""
+        with self._lock:
+            before, self._before = self._before, None
+            return before
+
     def _hand(self, audio: np.ndarray, rate: int, t: float) -> float:
         start = max(t, self.until)
         self.until = self.output(audio, rate, start) if self.output else start + len(audio) / rate
@@ -155,14 +161,21 @@ class Toy:
                 self.listening = False  # push-to-talk: one utterance per press
             if self.listening or self.gate.heard.woke or not self.wake:
                 self._show("thinking")
+            if self.sink.take_armed() is not None:  # the end of turn is confirmed: beep now if it is known
+                before = self._before_reply(self.t)  # that the phrase woke the toy, else before the reply
+                if before is None:
+                    self.sink.arm(self._before_reply)
+                else:
+                    self.sink.earcon(*before, self.t)
         elif prev == VoiceLoop.REPLY:
             self._after_turn(self.t)
         else:  # a noise burst, not a turn
             self._show("listening" if self.listening else "sleeping")
 
     def _before_reply(self, t: float):
-        """Asked (under the sink's lock) before a reply's first audio: the listen earcon goes first when this
-        utterance woke the toy up (it was asleep)."""
+        """The listen earcon (audio, rate) when this utterance woke the toy up (it was asleep), else None. Asked
+        when the end of the turn is confirmed and, if the transcript did not know it yet, (under the sink's
+        lock) before the reply's first audio."""
         h = self.gate.heard
         if not (self.wake and h.woke and not h.awake and self.persona.earcons.enabled):
             return None

@@ -14,12 +14,15 @@ sees only the question. Partial passes go through the same gate, so a sleeping t
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
 from runtime.voice.engines import Transcript
+
+log = logging.getLogger(__name__)  # transcripts only at DEBUG (-vv): nothing heard is logged by default
 
 WORD = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?")
 MAX_OFFSET = 2  # the phrase may start after at most this many words ("oh, hey coco ...", "um hey coco")
@@ -98,4 +101,5 @@ class WakeGate:
         if not woke:
             q = raw if heard.awake or self.phrase is None else ""
         heard.raw, heard.question, heard.woke = raw, q, woke
+        log.debug("heard %r: %s", raw, "woke" if woke else "passed" if q else "ignored (asleep, no wake phrase)")
         return Transcript(text=q, seconds=tr.seconds, audio_s=tr.audio_s, segments=[] if not q else tr.segments)
