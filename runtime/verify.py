@@ -19,7 +19,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +213,8 @@ def add_commands(sub) -> None:
                    help="where to build: a directory, or a .tar/.tar.gz/.tgz to pack (default: the cache's artifact "
                         "path for model, backend and board)")
     d.add_argument("--wheels", metavar="DIR", type=_path,
-                   help="ship the wheels in DIR (one boardtalk wheel, pip's wheel and the runtime's dependencies for the "
+                   help="ship the wheels in DIR (one boardtalk wheel, pip's wheel and the runtime's dependencies for "
+                        "the "
                         "board, e.g. an earlier deploy's, kept in the cache's deploy-wheels/) instead of making them "
                         "here: for a build machine without PyPI (default: make them)")
     d.add_argument("--remote-python", default="python3", metavar="CMD",
