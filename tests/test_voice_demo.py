@@ -211,6 +211,9 @@ def test_face_redraws_in_place_on_a_tty():
     f.say("you: hi")
     assert out.getvalue()[len(first) + len(second):].startswith("\x1b[5F\x1b[J")
     assert out.getvalue().endswith("you: hi\n")
+    f.say("coco: " + "la " * 200)  # longer than the terminal: cut to one row, so the redraw stays in place
+    last = out.getvalue().splitlines()[-1]
+    assert last.endswith("...") and len(last) < 400
 
 
 # ---- the toy in file mode with scripted engines around the tiny LLM ------------------------------------

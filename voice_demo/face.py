@@ -9,6 +9,7 @@ heard and said) go under the face on a terminal, and as their own lines otherwis
 """
 from __future__ import annotations
 
+import shutil
 import threading
 
 STATES = ("sleeping", "listening", "hearing", "thinking", "speaking")
@@ -72,7 +73,9 @@ class Face:
 
     def _redraw(self) -> None:
         lines = render(self.state or "sleeping", self.name, self.hint if self.state == "sleeping" else "")
-        lines += self.words
+        width = max(20, shutil.get_terminal_size((80, 24)).columns - 1)
+        lines += [w if len(w) <= width else w[: width - 3] + "..." for w in self.words]  # one row each, or the
+        #                                                          cursor-up count would miss wrapped rows
         up = f"\x1b[{self._drawn}F" if self._drawn else ""  # to the first line of the last drawing
         self.stream.write(up + "\x1b[J" + "\n".join(lines) + "\n")  # clear below, draw
         self.stream.flush()

@@ -122,7 +122,7 @@ CHECKS: dict[str, Any] = {
     "voice.engine": _text(1, 64),
     "voice.speed": _num(0.5, 2.0),
     "activation.mode": lambda v: None if v in ("wake", "push_to_talk") else "wake or push_to_talk",
-    "activation.wake_phrase": _text(1, 64, r"[A-Za-z][A-Za-z0-9 ',-]*", "a phrase of 1 to 64 letters, digits, "
+    "activation.wake_phrase": _text(3, 64, r"[A-Za-z][A-Za-z0-9 ',-]*", "a phrase of 3 to 64 letters, digits, "
                                                                           "spaces, ' or -, starting with a letter"),
     "activation.wake_match": _num(0.5, 1.0),
     "activation.follow_up_s": _num(0, 600),
