@@ -45,6 +45,18 @@ class ScriptedASR:
         return Transcript(text=f"a question of {voiced:.1f} seconds", audio_s=len(audio) / SR)
 
 
+class FixedASR(ScriptedASR):
+    """Says the same words whatever it hears (a complete question, or a sentence cut at a pause)."""
+
+    def __init__(self, text, delay=0.03):
+        super().__init__(delay)
+        self.text = text
+
+    def transcribe(self, audio):
+        super().transcribe(audio)
+        return Transcript(text=self.text, audio_s=len(audio) / SR)
+
+
 class ToneTTS:
     name, sample_rate = "tone", 24000
 
@@ -122,6 +134,41 @@ def test_a_pause_shorter_than_the_hangover_restarts_the_speculation(model, tmp_p
     tr = rep["turns"][0]
     assert tr["speculative_restarts"] >= 1 and float(tr["transcript"].split()[3]) >= 1.4  # both parts heard
     assert tr["first_audio_s"] > tr["speech_end_s"] > 2.0
+
+
+def test_complete_sentence():
+    from runtime.voice.pipeline import complete_sentence
+
+    for text in ("Why is the sky blue?", "Tell me a fun fact.", "Go forward 10 meters.", "Stop!"):
+        assert complete_sentence(text), text
+    for text in ("What is the capital of?", "Remind me to call my.", "Can you tell me", "and so...", "", None,
+                 "Turn on the lights and."):
+        assert not complete_sentence(text), text
+
+
+@pytest.mark.parametrize("text, rule, hang", [("Why is the sky blue?", "complete", 0.15),
+                                               ("What is the capital of.", "hangover", 0.25)])
+def test_hangover_adapts_to_a_complete_sentence(model, tmp_path, text, rule, hang):
+    """A finished question ends the turn after hangover_complete_s of silence; words a sentence cannot end in
+    (a user pausing mid-sentence) wait the whole hangover_s."""
+    path = _wav(tmp_path, [(0.3, False), (1.0, True), (1.0, False)])
+    cfg = VoiceConfig(system="be brief", max_new_tokens=8, hangover_s=0.25, hangover_complete_s=0.15)
+    rep = run_file(model, EnergyVAD(), FixedASR(text), ToneTTS(), path, None, cfg, tail_s=5)
+    (tr,) = rep["turns"]
+    assert tr["end_of_turn_rule"] == rule and tr["transcript"] == text
+    assert hang <= tr["end_of_turn_s"] - tr["speech_end_s"] <= hang + 0.07
+    assert tr["first_audio_s"] >= tr["end_of_turn_s"]  # never spoken before the end of turn
+
+
+def test_short_hangover_off_and_validated(model, tmp_path):
+    path = _wav(tmp_path, [(0.3, False), (1.0, True), (1.0, False)])
+    cfg = VoiceConfig(system="be brief", max_new_tokens=8, hangover_complete_s=None)
+    (tr,) = run_file(model, EnergyVAD(), FixedASR("Why is the sky blue?"), ToneTTS(), path, None, cfg, tail_s=5)["turns"]
+    assert tr["end_of_turn_rule"] == "hangover" and tr["end_of_turn_s"] - tr["speech_end_s"] >= 0.25
+    with pytest.raises(ValueError, match="must not exceed"):
+        VoiceConfig(hangover_s=0.2, hangover_complete_s=0.3)
+    with pytest.raises(ValueError, match="hangover_complete_s"):
+        VoiceConfig(hangover_complete_s=-1)
 
 
 def test_noise_bursts_are_not_turns(model, tmp_path):

@@ -10,9 +10,11 @@ Never wait for what can already be done:
   into the session's KV cache (prefix reuse makes the final prefill a few tokens);
 - at the first silent VAD window the final ASR pass starts at once, and the LLM and the TTS of its first
   clause start as soon as the transcript is there, speculatively;
-- speech out is released only when the end of turn is confirmed (``hangover_s`` of silence), so a
-  speculation never talks over the user; if the user speaks again first, the speculation is cancelled
-  (counted in ``Turn.speculative_restarts``) and the session's prefix reuse rewinds to what still holds.
+- speech out is released only when the end of turn is confirmed (``hangover_s`` of silence, or only
+  ``hangover_complete_s`` once the speculative transcript reads as a finished sentence: "Why is the sky
+  blue?" but not "What is the capital of"), so a speculation never talks over the user; if the user
+  speaks again first, the speculation is cancelled (counted in ``Turn.speculative_restarts``) and the
+  session's prefix reuse rewinds to what still holds.
 
 Work runs on three single-thread workers (ASR, LLM, TTS) so that each engine keeps one thread and the
 three do not oversubscribe a 2-core board; ``process`` itself only runs the VAD (~0.2 ms) and the state
@@ -44,6 +46,9 @@ class VoiceConfig:
     vad_on: float = 0.5  # a window at or above this starts speech
     vad_off: float = 0.35  # during speech, a window below this is silence
     hangover_s: float = 0.25  # silence that confirms the end of a turn (pure latency: keep it short)
+    # silence that is enough once the speculative transcript is a complete sentence (ends in . ? ! and not
+    # in a word that cannot end one); None: always hangover_s
+    hangover_complete_s: float | None = 0.15
     min_speech_s: float = 0.2  # voiced time below which an utterance is noise
     preroll_s: float = 0.3  # audio kept from before the speech onset
     partial_every_s: float = 0.5  # a partial ASR pass (and prefill) this often during speech
@@ -51,12 +56,18 @@ class VoiceConfig:
     barge_in_s: float = 0.15  # voiced time during playback that counts as barge-in
 
     def __post_init__(self) -> None:
-        for name in ("hangover_s", "min_speech_s", "preroll_s", "partial_every_s", "barge_in_s"):
+        for name in ("hangover_s", "hangover_complete_s", "min_speech_s", "preroll_s", "partial_every_s",
+                     "barge_in_s"):
             v = getattr(self, name)
+            if v is None and name == "hangover_complete_s":
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 10:
                 raise ValueError(f"{name} must be a number of seconds from 0 to 10, got {v!r}")
         if not 0 < self.vad_off <= self.vad_on < 1:
             raise ValueError(f"need 0 < vad_off <= vad_on < 1, got {self.vad_off}, {self.vad_on}")
+        if self.hangover_complete_s is not None and self.hangover_complete_s > self.hangover_s:
+            raise ValueError(f"hangover_complete_s ({self.hangover_complete_s}) must not exceed hangover_s "
+                             f"({self.hangover_s})")
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= 4096:
             raise ValueError(f"max_new_tokens must be an integer from 1 to 4096, got {self.max_new_tokens!r}")
 
@@ -68,10 +79,12 @@ class Turn:
     reply_text: str = ""  # what was handed to the speaker (all of it, or up to a barge-in)
     speech_start_s: float | None = None
     speech_end_s: float | None = None  # the last voiced sample
+    final_start_s: float | None = None  # the kept final ASR pass started (first silent window, or later if queued)
     transcript_final_s: float | None = None  # the kept final ASR pass finished
     first_token_s: float | None = None  # first token of the kept reply
     first_audio_s: float | None = None  # its first sample handed to the output
     end_of_turn_s: float | None = None  # silence confirmed the end of the turn
+    end_of_turn_rule: str = ""  # "complete" (hangover_complete_s after a finished sentence) or "hangover"
     reply_done_s: float | None = None  # the last sample of the reply handed to the output
     speculative_restarts: int = 0  # speculations cancelled because the user went on speaking
     partial_passes: int = 0
@@ -104,7 +117,7 @@ class _Speculation:
         self.audio = audio
         self.cancel = runtime.CancelToken()
         self.transcript: str | None = None
-        self.transcript_s = self.asr_ms = None
+        self.transcript_s = self.asr_ms = self.start_s = None
         self.first_token_s = None
         self.reused = 0
         self.chunks: list[tuple[str, np.ndarray, float]] = []  # (text, audio, ready time), in order
@@ -184,12 +197,14 @@ class VoiceLoop:
         self._silence += WINDOW_S
         if self._spec is None and self._voiced >= self.cfg.min_speech_s:
             self._speculate()
-        if self._silence >= self.cfg.hangover_s:
+        complete = (self.cfg.hangover_complete_s is not None and self._silence >= self.cfg.hangover_complete_s
+                    and self._spec is not None and complete_sentence(self._spec.transcript))
+        if self._silence >= self.cfg.hangover_s or complete:
             if self._voiced < self.cfg.min_speech_s:
                 self._set_state(self.IDLE)  # a click or a cough
                 self._reset_utterance()
                 return
-            self._confirm(t)
+            self._confirm(t, "complete" if complete and self._silence < self.cfg.hangover_s else "hangover")
 
     def _start_speech(self, window: np.ndarray, t: float) -> None:
         self._utt = [self._preroll, window]
@@ -217,20 +232,24 @@ class VoiceLoop:
                 text = self.asr.transcribe(audio).text.strip()
                 turn.partials.append((round(self.clock(), 3), text))
                 turn.partial_passes += 1
-                if text:  # prefill history + the words so far: the final prefill then reuses them
-                    self._llm.submit(self._prefill_partial, text).result()
+                if text:  # prefill history + the words so far: the final prefill then reuses them.
+                    # Not waited for here: the ASR worker must be free the moment the final pass is due.
+                    self._llm.submit(self._prefill_partial, text)
+                    return
             except Exception:  # noqa: BLE001  a failed partial only costs latency
                 log.exception("partial ASR pass failed")
-            finally:
-                self._partial_busy = False
+            self._partial_busy = False
 
         self._asr.submit(run)
 
     def _prefill_partial(self, text: str) -> None:
         try:
-            self.session.warm_prefix(self.history + [{"role": "user", "content": text}])
+            if self._spec is None:  # a final pass is under way: its reply's prefill will do this
+                self.session.warm_prefix(self.history + [{"role": "user", "content": text}])
         except Exception:  # noqa: BLE001  (a context overflow is handled when the turn is answered)
             log.debug("partial prefill skipped", exc_info=True)
+        finally:
+            self._partial_busy = False  # one partial (pass and prefill) at a time
 
     # ---- speculation: final ASR -> LLM -> TTS, released at the confirmed end of turn ----------
     def _speculate(self) -> None:
@@ -246,6 +265,7 @@ class VoiceLoop:
         if spec.cancel.cancelled:
             return
         t0 = time.monotonic()
+        spec.start_s = self.clock()
         try:
             text = self.asr.transcribe(spec.audio).text.strip()
         except Exception:  # noqa: BLE001
@@ -301,12 +321,13 @@ class VoiceLoop:
         spec.llm_done = True
 
     # ---- end of turn and output ---------------------------------------------------------------
-    def _confirm(self, t: float) -> None:
+    def _confirm(self, t: float, rule: str = "hangover") -> None:
         if self._spec is None:
             self._speculate()
         turn, spec = self._turn, self._spec
         turn.speech_end_s = self._last_voiced_t
         turn.end_of_turn_s = t
+        turn.end_of_turn_rule = rule
         self.turns.append(turn)
         self._spec_of_turn = spec
         self._turn_of_spec = turn
@@ -332,6 +353,7 @@ class VoiceLoop:
             if turn.first_audio_s is None:
                 turn.first_audio_s = start
                 turn.transcript, turn.transcript_final_s = spec.transcript, spec.transcript_s
+                turn.final_start_s = spec.start_s
                 turn.first_token_s, turn.asr_final_ms = spec.first_token_s, spec.asr_ms
                 turn.tts_first_ms, turn.prefill_reused_tokens = spec.tts_first_ms, spec.reused
             self._playing_until = self.output(audio, self.tts.sample_rate, start) if self.output else start
@@ -381,6 +403,7 @@ class VoiceLoop:
         spec = self._spec_of_turn
         if not turn.transcript and spec is not None and spec.transcript:  # a reply with no audio
             turn.transcript, turn.transcript_final_s, turn.asr_final_ms = spec.transcript, spec.transcript_s, spec.asr_ms
+            turn.final_start_s = spec.start_s
             turn.first_token_s = spec.first_token_s
         if turn.transcript:
             self.history += [{"role": "user", "content": turn.transcript},
@@ -405,6 +428,25 @@ class VoiceLoop:
         for ex in (self._asr, self._llm, self._tts):
             ex.shutdown(wait=True, cancel_futures=True)
         self.session.close()
+
+
+# Words a finished English sentence does not end in: articles, prepositions, conjunctions, possessives,
+# auxiliaries. A transcript ending in one of them (even with Whisper's full stop) is a pause mid-sentence.
+_OPEN_ENDINGS = frozenset("""a an the of to in on at for from with by about into onto over under and or but
+nor so because if than that which who whose my your his her its our their this these those is are was were be
+am do does did can could will would should shall may might must have has had not very some any no""".split())
+
+
+def complete_sentence(text: str | None) -> bool:
+    """True when ``text`` reads as a finished sentence: it ends in . ? or ! and its last word is not one a
+    sentence cannot end in ("What is the capital of." is a pause, not a question)."""
+    if not text:
+        return False
+    text = text.strip()
+    if not text.endswith((".", "?", "!")) or text.endswith("..."):
+        return False
+    words = text.lower().rstrip(".?!").replace(",", " ").split()
+    return bool(words) and words[-1] not in _OPEN_ENDINGS
 
 
 def _last_loud(window: np.ndarray, block: int = 64) -> int:
