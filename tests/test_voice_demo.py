@@ -478,3 +478,69 @@ def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path, caplog):
     assert abs(_freq(y[int((t0 + 0.015) * SR):int((t0 + 0.075) * SR)], SR) - TONES["listen"][0]) < 25
     assert abs(_freq(y[int((t0 + 0.125) * SR):int((t0 + 0.185) * SR)], SR) - TONES["listen"][1]) < 25
     assert np.abs(y[int((t0 + 0.3) * SR):]).max() > 0.05
+
+
+@pytest.mark.voice
+def test_ctrl_c_exits_130_without_a_traceback(tiny_artifacts, tmp_path):
+    pytest.importorskip("hibari", reason="needs the voice extra: pip install 'boardtalk[voice]'")
+    write_wav(tmp_path / "in.wav", np.zeros(30 * SR, np.float32), SR)
+    (tmp_path / "bo.yaml").write_text("name: Bo\nsystem_prompt: Be brief.\nmax_reply_tokens: 8\n")
+    p = subprocess.Popen([sys.executable, "-m", "voice_demo", "--artifact", str(tiny_artifacts["native"]),
+                          "--persona", "bo.yaml", "--input-wav", "in.wav"], cwd=tmp_path, stderr=subprocess.PIPE,
+                         text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = ""
+        while "[bo] sleeping" not in line:  # running: the toy is waiting for its wake phrase
+            line = p.stderr.readline()
+            assert line, "voice_demo ended before it was running"
+        p.send_signal(2)  # SIGINT, as Ctrl-C
+        err = p.stderr.read()
+        assert p.wait(30) == 130
+    finally:
+        p.kill() if p.poll() is None else None
+    assert err.strip().splitlines() == ["voice_demo: interrupted"], err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bo.yaml", "in.wav"]
+
+
+@pytest.mark.voice
+@pytest.mark.slow
+def test_live_missing_microphone_is_retried_not_a_crash(pulse, tiny_artifacts):
+    """The toy starts with no microphone: it says so, keeps running, and takes windows once it appears."""
+    import threading
+
+    from runtime.voice.engines import open_engine
+    from voice_demo.run import run_live
+
+    model = runtime.load(tiny_artifacts["native"])
+    out, stop, ready = io.StringIO(), threading.Event(), threading.Event()
+    pulse.remove_mic()
+    th = threading.Thread(target=run_live, args=(model, open_engine("vad"), ScriptedASR(["hi"]), ToneTTS(),
+                                                 _persona(), "virtual_mic", "speaker",
+                                                 Face("Coco", out, tty=False), stop, ready))
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "not available: retrying" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "[microphone virtual_mic not available: retrying]" in out.getvalue() and th.is_alive()
+        assert not ready.is_set()
+        pulse.restore_mic()
+        assert ready.wait(15), "no microphone window after the device came back"
+    finally:
+        if pulse.module_id("source_name=virtual_mic") is None:
+            pulse.restore_mic()
+        stop.set()
+        th.join(10)
+    assert not th.is_alive()
+
+
+def test_a_prompt_that_leaves_no_room_for_a_question_is_refused(tiny):
+    """Regression: a persona whose system prompt did not fit the model's context crashed the loop's first
+    prefill with a ContextOverflow traceback; it is now one error naming the persona and the numbers."""
+    from voice_demo.toy import Toy
+
+    assert tiny.max_context == 128
+    for persona in (P.load_persona("coco"), _persona(max_reply_tokens=100)):  # too long a prompt; too long a reply
+        with pytest.raises(ValueError, match=r"persona Coco: the system prompt \(\d+ tokens\) .* context of 128"):
+            Toy(tiny, EnergyVAD(), ScriptedASR(["x"]), ToneTTS(), persona)

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+import runtime
 from runtime.voice.engines import VAD_WINDOW
 from runtime.voice.pipeline import VoiceConfig, VoiceLoop
 
@@ -35,6 +36,7 @@ from .persona import Persona
 from .wake import WakeGate
 
 log = logging.getLogger(__name__)
+MIN_QUESTION_TOKENS = 32  # context a persona must leave for the child's question (besides prompt and reply)
 
 
 class ToySink:
@@ -111,8 +113,19 @@ class Toy:
         self._silence = np.zeros(VAD_WINDOW, np.float32)
         self._system = [{"role": "system", "content": p.system_prompt}]
         cfg = VoiceConfig(system=p.system_prompt, max_new_tokens=p.max_reply_tokens)
-        self.loop = VoiceLoop(model, vad, self.gate, self.tts, cfg, output=self.sink, clock=clock,
-                              on_state=self._on_state)
+        try:
+            self.loop = VoiceLoop(model, vad, self.gate, self.tts, cfg, output=self.sink, clock=clock,
+                                  on_state=self._on_state)
+        except runtime.ContextOverflow:
+            self.loop = None
+        n = len(model.tokenizer.encode(p.system_prompt)) if self.loop is None else \
+            len(self.loop.session.chat_ids(self._system, add_generation_prompt=False))
+        if self.loop is None or n + p.max_reply_tokens + MIN_QUESTION_TOKENS > model.max_context:
+            if self.loop is not None:
+                self.loop.close()
+            raise ValueError(f"persona {p.name}: the system prompt ({n} tokens) and a reply of max_reply_tokens "
+                             f"{p.max_reply_tokens} leave less than {MIN_QUESTION_TOKENS} tokens for a question in "
+                             f"the model's context of {model.max_context}: shorten the prompt")
         self._show("sleeping")
 
     # ---- input ---------------------------------------------------------------------------------
