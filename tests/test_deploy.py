@@ -8,7 +8,8 @@ port with a throwaway host key and user key; the board is a directory, and its P
 Python run under qemu-aarch64-static (tests/arm64_root.py: .debs unpacked with dpkg -x). The whole deploy
 path runs for real: probe over ssh, wheels for the board's CPython/aarch64 made here, rsync (then tar) over
 ssh, pip run from its wheel on the board under qemu with --no-index, ``boardtalk verify`` there on the
-cross-built artifact, the switch. Its greedy ids must equal the host's (tiny model: exact; SmolLM2-135M:
+cross-built artifact, the switch, and the restart of an enabled unit (the board's systemctl is a stand-in
+that logs its calls, first on sshd's PATH through SetEnv). Its greedy ids must equal the host's (tiny model: exact; SmolLM2-135M:
 the top-1 bound test_native_kernels uses for the Cortex-A76 build). Needs: qemu-user-static, apt-get
 and dpkg, openssh-server, openssh-client, rsync, gcc-aarch64-linux-gnu, and PyPI/Debian (or their caches)
 the first time. About 3 minutes in all on the 2-core dev VM.
@@ -180,10 +181,23 @@ def board(tmp_path_factory):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
     port = _free_port()
+    # systemctl on the board is a stand-in that logs its calls; 'is-enabled' succeeds once ENABLED exists
+    fake = d / "fakebin"
+    fake.mkdir()
+    (fake / "systemctl").write_text(f"""#!/bin/sh
+echo "$*" >> {d / 'systemctl.log'}
+case "$*" in
+  "is-enabled --quiet boardtalk") [ -e {d / 'ENABLED'} ] ;;
+  "restart boardtalk") exit 0 ;;
+  *) exit 1 ;;
+esac
+""")
+    (fake / "systemctl").chmod(0o755)
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         f"PidFile {d / 'sshd.pid'}\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel ERROR\n")
+        "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel ERROR\n"
+        f"SetEnv PATH={fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n")
     (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {(d / 'host_key.pub').read_text()}")
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     log = open(d / "sshd.log", "w")
@@ -202,7 +216,7 @@ def board(tmp_path_factory):
     ssh = ["--port", str(port), "--identity", str(d / "user_key"),
            "--ssh-option", f"UserKnownHostsFile={d / 'known_hosts'}",
            "--ssh-option", "StrictHostKeyChecking=yes"]
-    yield {"root": root, "dir": home / "bt", "python": py, "python_a53": py_a53, "ssh": ssh,
+    yield {"root": root, "dir": home / "bt", "ssh_dir": d, "python": py, "python_a53": py_a53, "ssh": ssh,
            "to": f"{getpass.getuser()}@127.0.0.1:{home / 'bt'}"}
     proc.terminate()
     proc.wait(10)
@@ -252,7 +266,7 @@ def test_deploy_over_ssh_to_an_arm64_board(deployed, board, tiny_artifacts):
     assert v["kernels"] == "bt_native-cortex-a76.so (neon+dotprod)" and {"neon", "dotprod"} <= set(v["cpu_features"])
     assert v["threads"] == 4 and v["files"] == 4 and len(v["token_ids"]) == 16
     assert v["prompt_ids"] == host.prompt_ids and v["token_ids"] == host.token_ids
-    assert deployed["result"]["service"] == "none"  # no systemd unit here: nothing restarted
+    assert deployed["result"]["service"] == "none"  # no enabled unit: nothing restarted
     for step in ("probe", "build", "wheels", "copy", "install", "verify", "switch", "restart"):
         assert f"] {step}:" in deployed["stderr"]
     assert "with rsync" in deployed["stderr"]
@@ -298,6 +312,23 @@ def test_redeploy_with_tar_keeps_the_installed_runtime(deployed, board, tiny_pi5
     assert "runtime unchanged" in err and "with tar over ssh" in err
     assert marker.stat().st_ino == before
     assert json.loads(out.strip().splitlines()[-1])["verify"]["token_ids"] == deployed["result"]["verify"]["token_ids"]
+
+
+@pytest.mark.slow
+@needs_board
+def test_an_enabled_service_is_restarted_after_the_switch(deployed, board, tiny_pi5, tmp_path):
+    """With the boardtalk unit enabled on the board, the restart step runs 'systemctl restart boardtalk'
+    (systemctl there is a stand-in that logs its calls), after verify and the switch."""
+    (board["ssh_dir"] / "ENABLED").touch()
+    try:
+        wheels = shutil.copytree(board["dir"] / "wheels", tmp_path / "wheels")
+        rc, out, err = _deploy(board, tiny_pi5, "--wheels", str(wheels))
+    finally:
+        (board["ssh_dir"] / "ENABLED").unlink()
+    assert rc == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1])["service"] == "restarted" and "systemctl restart boardtalk" in err
+    calls = (board["ssh_dir"] / "systemctl.log").read_text().splitlines()
+    assert calls[-2:] == ["is-enabled --quiet boardtalk", "restart boardtalk"]
 
 
 @pytest.mark.slow
