@@ -52,13 +52,13 @@ BACKEND_EXTRAS = {"onnxruntime": "onnxruntime", "tvm": "tvm"}  # backend -> setu
 _SAFE_DIR = re.compile(r"[A-Za-z0-9._/+-]+")  # board paths are used in remote shells and rsync: no quoting games
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
-PROBE = ("import ctypes, json, os, platform, shutil, sys\n"
+PROBE = ("import ctypes, json, os, platform, shutil, struct, sys\n"
          "def lib(n):\n"
          "    try:\n        ctypes.CDLL(n)\n        return True\n"
          "    except OSError:\n        return False\n"
          "print(json.dumps({'python': list(sys.version_info[:3]), 'machine': platform.machine(), "
          "'glibc': platform.libc_ver()[1], 'rsync': bool(shutil.which('rsync')), "
-         "'systemctl': bool(shutil.which('systemctl')), 'gomp': lib('libgomp.so.1'), "
+         "'systemctl': bool(shutil.which('systemctl')), 'gomp': lib('libgomp.so.1'), 'bits': struct.calcsize('P') * 8, "
          "'home': os.path.expanduser('~')}))")
 
 
@@ -216,6 +216,9 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
                 raise DeployError(f"deploy step 'probe': {to.dest} has Python {'.'.join(map(str, info['python']))}; "
                                   f"the runtime needs >= {'.'.join(map(str, MIN_PYTHON))} (--remote-python)")
             machine = {"arm64": "aarch64", "amd64": "x86_64"}.get(info["machine"].lower(), info["machine"].lower())
+            if info.get("bits") == 32:  # a 32-bit OS on a 64-bit kernel: platform.machine() still says aarch64
+                raise DeployError(f"deploy step 'probe': {opts.remote_python} on {to.dest} is a 32-bit Python "
+                                  f"({machine} kernel); the {profile.arch} runtime needs a 64-bit OS and Python")
             if machine != profile.arch:
                 raise DeployError(f"deploy step 'probe': {to.dest} is {machine}, but board {profile.name} is "
                                   f"{profile.arch}: wrong --board or wrong host")

@@ -89,6 +89,34 @@ def test_dry_run_of_an_onnxruntime_artifact_ships_its_backend(tiny_artifacts, bo
     assert rc == 0 and "boardtalk-*.whl[onnxruntime]" in err and "boardtalk[onnxruntime]" in err
 
 
+GOOD_BOARD = {"python": [3, 11, 2], "machine": "aarch64", "glibc": "2.36", "rsync": True, "systemctl": True,
+              "gomp": True, "bits": 64, "home": "/home/pi"}
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({}, None),
+    ({"python": [3, 9, 2]}, "has Python 3.9.2; the runtime needs >= 3.10"),
+    ({"machine": "x86_64"}, "is x86_64, but board pi5 is aarch64"),
+    ({"bits": 32}, "is a 32-bit Python (aarch64 kernel)"),
+    ({"gomp": False}, "no libgomp.so.1"),
+])
+def test_probe_refuses_boards_that_cannot_run_the_runtime(monkeypatch, change, msg):
+    """What the board's Python reports decides before anything is built: too old, another architecture, a
+    32-bit userland on a 64-bit kernel (platform.machine() says aarch64 there), no OpenMP runtime."""
+    import models.deploy as d
+
+    monkeypatch.setattr(d, "remote", lambda opts, step, script, **kw: "login banner\n" + json.dumps({**GOOD_BOARD,
+                                                                                                   **change}))
+    steps, st = d.plan(d.DeployOptions(board="pi5", to=parse_target("pi@board.invalid")))
+    assert steps[0].name == "probe"
+    if msg is None:
+        assert "Python 3.11.2, aarch64, glibc 2.36" in steps[0].run() and st.board_info["machine"] == "aarch64"
+    else:
+        with pytest.raises(d.DeployError, match="deploy step 'probe'") as e:
+            steps[0].run()
+        assert msg in str(e.value)
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--to=-oProxyCommand=x"], "not a host name"),
     (["--to", "pi@h", "--out", "x.tar.gz"], "tarball is for build-only"),
