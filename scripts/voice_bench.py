@@ -15,6 +15,7 @@ machine's load:
 
 - ``boardtalk``: the defaults (adaptive hangover: 150 ms after a complete sentence, else 250 ms);
 - ``fixed-hangover``: the same with hangover_complete_s=None (always 250 ms): the A/B of the adaptation;
+- ``no-early-final``: the same with early_final=False (the final pass waits for a silent VAD window);
 - ``naive``: what a straightforward stack does, measured in the same run on the same clip: wait for the
   end of turn (the same VAD and 250 ms hangover), then Whisper on a mel padded to 30 s (faster-whisper's
   way), then the LLM on a fresh session (no partial prefill, no cached system prompt), then TTS of the
@@ -51,7 +52,7 @@ PAUSES_S = (0.2, 0.3)  # silence inside the paused questions (a user thinking mi
 HUMAN_DIR = Path("/usr/share/pocketsphinx/test/data")  # Debian package pocketsphinx-testdata (BSD-2)
 TARGETS = {"first_token": (100, 250), "first_audio": (300, 350)}  # ms after speech end: goal, must
 STAGES = ("final_start", "transcript", "first_token", "end_of_turn", "first_audio")
-VARIANTS = ("boardtalk", "fixed-hangover", "naive")
+VARIANTS = ("boardtalk", "fixed-hangover", "no-early-final", "naive")
 
 
 @dataclass
@@ -232,7 +233,8 @@ def summary(results: list[dict], variants: list[str]) -> str:
                       ("utterances with no turn", lambda r: not r["turns"]),
                       ("ended by the short (complete-sentence) hangover",
                        lambda r: any(t.get("end_of_turn_rule") == "complete" for t in r["turns"])),
-                      ("speculative restarts (sum)", lambda r: sum(t["speculative_restarts"] for t in r["turns"]))):
+                      ("speculative restarts (sum)", lambda r: sum(t["speculative_restarts"] for t in r["turns"])),
+                      ("early final passes started (sum)", lambda r: sum(t.get("early_finals", 0) for t in r["turns"]))):
         cells = [str(sum(int(fn(r)) for r in results if r["variant"] == v)) for v in variants]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -326,7 +328,7 @@ def main() -> int:
             e.warmup()
     base = dict(system="You are a friendly voice assistant. Answer in one short sentence.", max_new_tokens=48)
     configs = {"boardtalk": VoiceConfig(**base), "fixed-hangover": VoiceConfig(**base, hangover_complete_s=None),
-               "naive": VoiceConfig(**base)}
+               "no-early-final": VoiceConfig(**base, early_final=False), "naive": VoiceConfig(**base)}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -344,7 +346,7 @@ def main() -> int:
                     tr = naive_turn(clip.path, model, vad, padded_asr, tts, configs[v])
                     turns = [tr] if tr else []
                 else:
-                    turns = run_file(model, vad, asr, tts, clip.path, None, configs[v], tail_s=2.0)["turns"]
+                    turns = run_file(model, vad, asr, tts, clip.path, None, configs[v], tail_s=3.0)["turns"]
                 results.append({"clip": clip.name, "kind": clip.kind, "ref": clip.ref, "variant": v, "turns": turns})
                 lat = latencies(turns[0]) if turns else {}
                 heard = " | ".join(t["transcript"] for t in turns)

@@ -25,6 +25,18 @@ class EnergyVAD:
         return 1.0 if np.sqrt((window.astype(np.float64) ** 2).mean()) > 0.01 else 0.0
 
 
+class LaggyVAD(EnergyVAD):
+    """Like Silero: 0.8 while a window or the one before it has sound (it reports the end one window late)."""
+
+    def reset(self):
+        self.prev = 0.0
+
+    def __call__(self, window):
+        now = super().__call__(window)
+        p, self.prev = max(now, self.prev) * 0.8, now
+        return p
+
+
 class ScriptedASR:
     """Says how many seconds of tone it heard, after a fixed compute time."""
     name = "scripted"
@@ -169,6 +181,31 @@ def test_short_hangover_off_and_validated(model, tmp_path):
         VoiceConfig(hangover_s=0.2, hangover_complete_s=0.3)
     with pytest.raises(ValueError, match="hangover_complete_s"):
         VoiceConfig(hangover_complete_s=-1)
+
+
+def test_early_final_pass_starts_a_window_before_the_vad_says_silence(model, tmp_path):
+    """The final pass starts in the lagging VAD's last 'voiced' window once its tail is quiet, one window (32 ms)
+    before the VAD reports silence; the turn is the same."""
+    path = _wav(tmp_path, [(0.3, False), (1.0, True), (1.0, False)])
+    runs = {}
+    for early in (True, False):
+        cfg = VoiceConfig(system="be brief", max_new_tokens=8, early_final=early)
+        (runs[early],) = run_file(model, LaggyVAD(), ScriptedASR(0.03), ToneTTS(), path, None, cfg, tail_s=5)["turns"]
+    assert runs[True]["early_finals"] == 1 and runs[False]["early_finals"] == 0
+    assert runs[True]["speculative_restarts"] == runs[False]["speculative_restarts"] == 0
+    assert runs[True]["transcript"] == runs[False]["transcript"] == "a question of 0.9 seconds"  # 0.4 sine: 92 % of samples above 0.05
+    assert runs[True]["final_start_s"] < runs[False]["final_start_s"]
+    assert runs[True]["end_of_turn_s"] == runs[False]["end_of_turn_s"]  # the end of turn is not moved
+
+
+def test_early_final_pass_is_abandoned_when_speech_goes_on(model, tmp_path):
+    """A quiet tail inside the speech (a 40 ms gap) starts an early final pass; the next voiced window cancels it
+    and the answer covers both parts."""
+    path = _wav(tmp_path, [(0.3, False), (0.6, True), (0.04, False), (0.6, True), (1.0, False)])
+    cfg = VoiceConfig(system="be brief", max_new_tokens=8)
+    (tr,) = run_file(model, LaggyVAD(), ScriptedASR(0.03), ToneTTS(), path, None, cfg, tail_s=5)["turns"]
+    assert tr["early_finals"] >= 2 and tr["speculative_restarts"] >= 1
+    assert tr["transcript"] == "a question of 1.1 seconds"  # both parts (0.55 each)
 
 
 def test_noise_bursts_are_not_turns(model, tmp_path):

@@ -9,7 +9,8 @@ Never wait for what can already be done:
 - while the user speaks, a partial ASR pass runs every ``partial_every_s`` and its text is prefilled
   into the session's KV cache (prefix reuse makes the final prefill a few tokens);
 - at the first silent VAD window the final ASR pass starts at once, and the LLM and the TTS of its first
-  clause start as soon as the transcript is there, speculatively;
+  clause start as soon as the transcript is there, speculatively; a window earlier still where the last
+  voiced window's tail has gone quiet (``early_final``: Silero reports the end one window late);
 - speech out is released only when the end of turn is confirmed (``hangover_s`` of silence, or only
   ``hangover_complete_s`` once the speculative transcript reads as a finished sentence: "Why is the sky
   blue?" but not "What is the capital of"), so a speculation never talks over the user; if the user
@@ -52,6 +53,9 @@ class VoiceConfig:
     min_speech_s: float = 0.2  # voiced time below which an utterance is noise
     preroll_s: float = 0.3  # audio kept from before the speech onset
     partial_every_s: float = 0.5  # a partial ASR pass (and prefill) this often during speech
+    # start the final pass in a voiced window whose last 16 ms are 30 dB below the utterance's loudest 4 ms
+    # and whose VAD probability is falling (< 0.9): one window (32 ms) before Silero calls it silence
+    early_final: bool = True
     barge_in: bool = False  # speech during playback stops it (needs echo cancellation or file mode)
     barge_in_s: float = 0.15  # voiced time during playback that counts as barge-in
 
@@ -68,6 +72,8 @@ class VoiceConfig:
         if self.hangover_complete_s is not None and self.hangover_complete_s > self.hangover_s:
             raise ValueError(f"hangover_complete_s ({self.hangover_complete_s}) must not exceed hangover_s "
                              f"({self.hangover_s})")
+        if not isinstance(self.early_final, bool):
+            raise ValueError(f"early_final must be True or False, got {self.early_final!r}")
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= 4096:
             raise ValueError(f"max_new_tokens must be an integer from 1 to 4096, got {self.max_new_tokens!r}")
 
@@ -87,6 +93,7 @@ class Turn:
     end_of_turn_rule: str = ""  # "complete" (hangover_complete_s after a finished sentence) or "hangover"
     reply_done_s: float | None = None  # the last sample of the reply handed to the output
     speculative_restarts: int = 0  # speculations cancelled because the user went on speaking
+    early_finals: int = 0  # final passes started on a quiet window tail (early_final), kept or not
     partial_passes: int = 0
     asr_final_ms: float | None = None  # wall time of the kept final ASR pass
     tts_first_ms: float | None = None  # wall time of the first chunk's synthesis
@@ -158,6 +165,7 @@ class VoiceLoop:
         self._sid = 0
         self._silence = 0.0
         self._voiced = 0.0
+        self._peak = 0.0  # loudest 4 ms block RMS of the utterance so far
         self._last_voiced_t = 0.0
         self._last_partial_t = 0.0
         self._partial_busy = False
@@ -188,10 +196,16 @@ class VoiceLoop:
             self._voiced += WINDOW_S
             self._last_voiced_t = t - WINDOW_S + _last_loud(window) / SAMPLE_RATE
             self._silence = 0.0
+            blocks = _block_rms(window)
+            quiet_tail = blocks[-EARLY_TAIL_BLOCKS:].max() < EARLY_QUIET * self._peak
+            self._peak = max(self._peak, float(blocks.max()))
             if self._spec is not None:  # the user went on: the speculation is void
                 self._abandon_speculation()
                 self._turn.speculative_restarts += 1
-            if t - self._last_partial_t >= self.cfg.partial_every_s and not self._partial_busy:
+            if (self.cfg.early_final and p < EARLY_MAX_P and quiet_tail and self._voiced >= self.cfg.min_speech_s):
+                self._turn.early_finals += 1
+                self._speculate()  # the next window decides: voiced abandons it, silent keeps it
+            elif t - self._last_partial_t >= self.cfg.partial_every_s and not self._partial_busy:
                 self._partial_pass(t)
             return
         self._silence += WINDOW_S
@@ -211,6 +225,7 @@ class VoiceLoop:
         self._preroll = np.zeros(0, np.float32)
         self._turn = Turn(speech_start_s=t - WINDOW_S)
         self._voiced, self._silence = WINDOW_S, 0.0
+        self._peak = float(_block_rms(window).max())
         self._last_voiced_t = t
         self._last_partial_t = t
         self._asr.submit(self.asr.reset)  # a new utterance: forget what the last one's passes kept
@@ -447,6 +462,17 @@ def complete_sentence(text: str | None) -> bool:
         return False
     words = text.lower().rstrip(".?!").replace(",", " ").split()
     return bool(words) and words[-1] not in _OPEN_ENDINGS
+
+
+EARLY_TAIL_BLOCKS = 4  # 4 ms blocks at a window's end that must be quiet for an early final pass (16 ms)
+EARLY_QUIET = 0.03  # quiet = block RMS below this fraction of the utterance's loudest block (-30 dB)
+EARLY_MAX_P = 0.9  # and the window's VAD probability below this (speech fading, not a stop consonant)
+
+
+def _block_rms(window: np.ndarray, block: int = 64) -> np.ndarray:
+    """(len // block,) float64 RMS of consecutive 4 ms blocks of a window."""
+    n = len(window) // block
+    return np.sqrt((window[: n * block].reshape(n, block).astype(np.float64) ** 2).mean(1))
 
 
 def _last_loud(window: np.ndarray, block: int = 64) -> int:
