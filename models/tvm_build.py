@@ -149,7 +149,8 @@ def compile_library(dims, out: Path, *, cuda_arch: str | None, host: str, max_ct
         target = tvm.target.Target({"kind": "llvm", **host_target})
     t0 = time.monotonic()
     windows = windows_for(max_ctx)
-    mod, params = build_ir(dims, max_ctx, windows)
+    hand = bool(cuda_arch) and not os.environ.get("BOARDTALK_TVM_NO_HAND_KERNELS")  # diagnosis: TE ops only
+    mod, params = build_ir(dims, max_ctx, windows, cuda=hand)
     for gv in list(mod.get_global_vars()):
         if gv.name_hint.startswith("decode"):
             # every argument of a decode step (ids, position, cache, tables, weights) is a buffer the session keeps
@@ -178,7 +179,9 @@ def _cuda_pipeline(tvm, target):
 
     @tvm.transform.module_pass(opt_level=0, name="ScheduleGPU")
     def schedule(mod, _ctx):
-        rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+        skip = set(filter(None, os.environ.get("BOARDTALK_TVM_SKIP_RULES", "").split(",")))  # diagnosis only
+        rules = [r for r in (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                             dl.gpu.Fallback()) if type(r).__name__ not in skip]
         done = {}
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or (func.attrs and "tirx.is_scheduled" in func.attrs):

@@ -55,7 +55,7 @@ def param_names(d: Dims) -> list[str]:
     return names + ["out_norm"]
 
 
-def build_ir(d: Dims, max_ctx: int, windows: list[int]):
+def build_ir(d: Dims, max_ctx: int, windows: list[int], cuda: bool = False):
     """(IRModule, [(name, nn.Parameter)]) of the model; import-time heavy (tvm)."""
     from tvm import te, tirx as tir
     from tvm.relax.frontend import nn
@@ -81,6 +81,10 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int]):
         W = te.compute((N, K), w, name="dequant")
         r = te.reduce_axis((0, K), name="k")
         return te.compute((T_, N), lambda t, n: te.sum(x[t, r] * W[n, r], axis=r), name="matmul")
+
+    def q4_linear_swiglu(gu, qs, sd, sm):  # the down projection of silu(gate) * up: (T, 2F) -> (T, N), one kernel
+        x = swiglu(gu)
+        return q4_linear(x, qs, sd, sm)
 
     def gather_rows(x, rows):  # (T, C), (R,) -> (R, C)
         return te.compute((rows.shape[0], C), lambda t, c: x[rows[t], c], name="gather")
@@ -225,6 +229,12 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int]):
                 if vi == 0:
                     sc[T.Cast("int64", pos[0]), vh] = scales[0, vh]
 
+    if cuda:
+        from .tvm_kernels import attn_decode, qkv_post
+
+        post_kernel = qkv_post(H, KVH, D)
+        attn_kernels = {w: attn_decode(H, KVH, D, w) for w in windows}
+
     # ---- the module -----------------------------------------------------------------------------------
     class Q4Linear(nn.Module):
         def __init__(self, n: int, k: int):
@@ -234,6 +244,9 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int]):
 
         def forward(self, x):
             return op.tensor_expr_op(q4_linear, "q4_linear", [x, self.qs, self.d, self.m])
+
+        def swiglu_forward(self, gu):
+            return op.tensor_expr_op(q4_linear_swiglu, "q4_linear_swiglu", [gu, self.qs, self.d, self.m])
 
     class Layer(nn.Module):
         def __init__(self):
@@ -255,26 +268,33 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int]):
             ctx = op.tensor_expr_op(attention, "attention", [q, kv, sc, start])
             h = op.tensor_expr_op(add, "add", [h, self.o(ctx)])
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.ffn_norm])
-            gu = op.tensor_expr_op(swiglu, "swiglu", [self.gate_up(x)])
-            return op.tensor_expr_op(add, "add", [h, self.down(gu)]), kv, sc
+            return op.tensor_expr_op(add, "add", [h, self.down.swiglu_forward(self.gate_up(x))]), kv, sc
 
         def step(self, h, cos, sin, kv, sc, pos, window: int):
             """One token at position pos[0] (a device tensor: every shape static, so the whole step can be
             captured in one CUDA graph); attention scans the first `window` cache rows, masked beyond pos."""
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.attn_norm])
             qkv = self.qkv(x)
-            q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, pos])
-            codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, pos])
-            kv, sc = op.tensor_ir_inplace_op(kv_write_at, "kv_write_at", [kv, sc, codes, scales, pos], [0, 1],
-                                             [nn.Tensor.placeholder(kv.shape, "int8"),
-                                              nn.Tensor.placeholder(sc.shape, f32)])
-            sco = op.tensor_expr_op(functools.partial(dec_scores, W=window), f"dec_scores{window}", [q, kv, sc, pos])
-            pr = op.tensor_expr_op(softmax, "softmax", [sco])
-            ctx = op.tensor_expr_op(dec_pv, "dec_pv", [pr, kv, sc])
+            if cuda:  # hand-scheduled kernels (models/tvm_kernels.py): RoPE + int8 quantize + write, attention
+                q, kv, sc = op.tensor_ir_inplace_op(
+                    post_kernel, "qkv_post", [qkv, cos, sin, pos, kv, sc], [-1, 4, 5],
+                    [nn.Tensor.placeholder((1, H, D), f32), nn.Tensor.placeholder(kv.shape, "int8"),
+                     nn.Tensor.placeholder(sc.shape, f32)])
+                ctx = op.tensor_ir_op(attn_kernels[window], f"attn_decode{window}", [q, kv, sc, pos],
+                                      nn.Tensor.placeholder((1, H * D), f32))
+            else:
+                q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, pos])
+                codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, pos])
+                kv, sc = op.tensor_ir_inplace_op(kv_write_at, "kv_write_at", [kv, sc, codes, scales, pos], [0, 1],
+                                                 [nn.Tensor.placeholder(kv.shape, "int8"),
+                                                  nn.Tensor.placeholder(sc.shape, f32)])
+                sco = op.tensor_expr_op(functools.partial(dec_scores, W=window), f"dec_scores{window}",
+                                        [q, kv, sc, pos])
+                pr = op.tensor_expr_op(softmax, "softmax", [sco])
+                ctx = op.tensor_expr_op(dec_pv, "dec_pv", [pr, kv, sc])
             h = op.tensor_expr_op(add, "add", [h, self.o(ctx)])
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.ffn_norm])
-            gu = op.tensor_expr_op(swiglu, "swiglu", [self.gate_up(x)])
-            return op.tensor_expr_op(add, "add", [h, self.down(gu)]), kv, sc
+            return op.tensor_expr_op(add, "add", [h, self.down.swiglu_forward(self.gate_up(x))]), kv, sc
 
     class Model(nn.Module):
         def __init__(self):

@@ -100,34 +100,39 @@ def cmd_run(args) -> int:
         print(s, flush=True)
         lines.append(s)
 
+    from runtime.backends.tvm import _load_runtime
+
+    ffi = _load_runtime(cuda=True)
+    attr = ffi.get_global_func("runtime.GetDeviceAttr")
+    free_start = attr(2, 0, 15) / 2**30  # before anything of ours is on the GPU
     t0 = time.perf_counter()
     m = runtime.load(args.artifact, max_context=1024)
     first = time.perf_counter() - t0
     be = m.backend
-    attr = be.ffi.get_global_func("runtime.GetDeviceAttr")
-    gpu = f"{attr(2, 0, 5)} (compute capability {attr(2, 0, 4)}, driver API {attr(2, 0, 12)})"
+    s = m.session
+    s.prefill([1, 2, 3])
+    s.decode_step(4)
+    free_one = attr(2, 0, 15) / 2**30
+    gpu = f"{attr(2, 0, 5)} (compute capability {attr(2, 0, 4)})"
     man = m.manifest
     say(f"# tvm artifact on {gpu}")
     say(f"artifact: board {man.target.board}, {man.tvm.get('cuda_arch')} SASS + {man.tvm.get('ptx_arch')} PTX "
         f"(ISA {man.tvm.get('ptx_isa')}), CUDA runtime {man.tvm.get('cuda_runtime_major')}, TVM {man.tvm.get('tvm_version')}")
     say(f"first load (includes the PTX JIT where the GPU is not {man.tvm.get('cuda_arch')}): {first:.2f} s")
+    _, total = _gpu_mem(be)
     m.close()
     loads = []
-    for _ in range(3):
-        free0, total = _gpu_mem(be)
+    for i in range(3):
         t0 = time.perf_counter()
         m = runtime.load(args.artifact, max_context=1024)
         loads.append(time.perf_counter() - t0)
-        s = m.session
-        s.prefill([1, 2, 3])
-        free1, _ = _gpu_mem(m.backend)
-        if _ < 2:
+        if i < 2:
             m.close()
-    be = m.backend
     res["load_s"] = loads
-    res["gpu_mem_gib"] = free0 - free1
-    say(f"load (JIT cache warm): {_stat(loads)} s; GPU memory taken by the model + one session of 1024 positions: "
-        f"{(free0 - free1) * 1024:.0f} MiB (of {total:.0f} GiB)")
+    res["gpu_mem_mib"] = (free_start - free_one) * 1024
+    say(f"load (JIT cache warm): {_stat(loads)} s")
+    say(f"GPU memory, first model + one session (cache {m.backend.cache_rows} rows) after a prefill and a decode "
+        f"step: {(free_start - free_one) * 1024:.0f} MiB (device free memory before/after; of {total:.0f} GiB)")
 
     # ---- greedy ids against the native backend's
     say("\n## greedy ids, 8 prompts x 32 new tokens, against the native backend "
@@ -144,6 +149,7 @@ def cmd_run(args) -> int:
             continue
         parted.append(i)
         prefix = prompt + want[:same]
+        m.session.reset()  # logits() feeds ids after what is cached
         lg = m.session.logits(prefix)[-1]
         saved[f"p{i}_ids"] = np.array(prefix, np.int64)
         saved[f"p{i}_logits"] = lg.astype(np.float32)
@@ -153,7 +159,13 @@ def cmd_run(args) -> int:
     res["identical_prompts"] = len(ids) - len(parted)
     chat = m.chat_ids(CHAT)
     saved["chat_ids"] = np.array(chat, np.int64)
-    saved["chat_logits"] = m.session.logits(chat).astype(np.float32)
+    m.session.reset()
+    saved["chat_logits"] = m.session.logits(chat).astype(np.float32)  # one prefill call
+    m.session.reset()
+    m.session.prefill(chat[:1])
+    dec = [m.session.decode_step(t) for t in chat[1:]]  # the decode path (one CUDA graph per token)
+    saved["chatdec_ids"] = np.array(chat, np.int64)
+    saved["chatdec_logits"] = np.stack(dec).astype(np.float32)
     np.savez_compressed(Path(args.out_dir) / "gpu_logits.npz", **saved)
     say(f"{len(ids) - len(parted)} of {len(ids)} prompts identical; logits saved for the bounds check "
         f"(gpu_logits.npz: every parting step + all {len(chat)} positions of one chat prompt)")
@@ -211,7 +223,7 @@ def cmd_bounds(args) -> int:
         name = key[:-4]
         ids, got = d[key], d[f"{name}_logits"].astype(np.float64)
         want = ref.forward(ids)
-        want = want if got.ndim == 2 else want[-1]
+        want = want[-1] if got.ndim == 1 else want[len(want) - len(got):]
         err = np.abs(got - want)
         agree = float((got.argmax(-1) == want.argmax(-1)).mean())
         good = err.max() < MAX_ABS and err.mean() < MEAN_ABS

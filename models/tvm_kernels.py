@@ -1,0 +1,144 @@
+"""Hand-scheduled CUDA kernels (TVMScript TIR) for the decode step, where launch count decides speed.
+
+dlight schedules the TE versions of these ops as 5 kernels (RoPE, three for the int8 quantizer, the cache
+write) and 5 kernels (scores, softmax, three for P @ V) per layer; these do each in one launch. Used only in
+CUDA builds (a CPU build keeps the TE ops: thread bindings do not run there); the tiny and real-dimension
+models are checked against the float64 reference on a GPU (tests/test_tvm.py, scripts/gpu_proof.py).
+"""
+from __future__ import annotations
+
+
+def qkv_post(H: int, KVH: int, D: int):
+    """(qkv (1, (H+2KVH)*D), cos, sin (P, D/2), pos (1,), kv (S, 2KVH, D) int8, sc (S, 2KVH)) -> q (1, H, D) rotated;
+    K (rotated) and V of the token quantized (absmax/127 per head, round half to even) and written at row pos[0].
+    One block per head (H + 2*KVH), one thread per element."""
+    from tvm.script import tirx as T
+
+    HALF = D // 2
+    NH = H + 2 * KVH
+
+    @T.prim_func(private=True, s_tir=True)
+    def qkv_post(var_qkv: T.handle, var_cos: T.handle, var_sin: T.handle, var_pos: T.handle, var_kv: T.handle,
+                 var_sc: T.handle, var_q: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        P, S = T.int64(), T.int64()
+        qkv = T.match_buffer(var_qkv, (1, NH * D), "float32")
+        cos = T.match_buffer(var_cos, (P, HALF), "float32")
+        sin = T.match_buffer(var_sin, (P, HALF), "float32")
+        pos = T.match_buffer(var_pos, (1,), "int32")
+        kv = T.match_buffer(var_kv, (S, 2 * KVH, D), "int8")
+        sc = T.match_buffer(var_sc, (S, 2 * KVH), "float32")
+        q = T.match_buffer(var_q, (1, H, D), "float32")
+        for hh in T.thread_binding(T.int64(NH), thread="blockIdx.x"):
+            for i in T.thread_binding(T.int64(D), thread="threadIdx.x"):
+                with T.sblock("post"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    p: T.let[T.int64] = T.Cast("int64", pos[0])
+                    j: T.let[T.int64] = i // 2
+                    a: T.let[T.float32] = qkv[0, hh * D + 2 * j]
+                    b: T.let[T.float32] = qkv[0, hh * D + 2 * j + 1]
+                    if hh < H + KVH:
+                        if i % 2 == 0:
+                            val[0] = a * cos[p, j] - b * sin[p, j]
+                        else:
+                            val[0] = a * sin[p, j] + b * cos[p, j]
+                    else:
+                        val[0] = qkv[0, hh * D + i]
+                    red[i] = T.abs(val[0])  # every head takes part, so no sync sits inside a branch
+                    T.tvm_storage_sync("shared")
+                    amax[0] = T.float32(0)
+                    for k in T.serial(T.int64(D)):  # each thread reduces the 64 values itself (broadcast reads)
+                        amax[0] = T.max(amax[0], red[k])
+                    amax[0] = T.max(amax[0] * T.float32(1.0 / 127.0), T.float32(1e-30))
+                    if hh < H:
+                        q[0, hh, i] = val[0]
+                    else:
+                        kv[p, hh - H, i] = T.Cast("int8", T.nearbyint(val[0] / amax[0]))
+                        if i == 0:
+                            sc[p, hh - H] = amax[0]
+
+    return qkv_post
+
+
+def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
+    """(q (1, H, D), kv (S, 2KVH, D) int8, sc (S, 2KVH), pos (1,)) -> (1, H*D): softmax(q k^T / sqrt(D)) v over cache
+    rows 0..pos[0] (rows beyond are skipped), scanning at most W rows. One block per query head, NT threads:
+    scores one row per thread, block max and sum through shared memory, then P @ V with NT/D threads per column."""
+    from tvm.script import tirx as T
+
+    G = H // KVH
+    PARTS = NT // D
+    ITER = (W + NT - 1) // NT
+    PV_ITER = (W + PARTS - 1) // PARTS
+    qscale = 1.0 / float(D) ** 0.5
+    assert NT % D == 0 and NT >= D
+
+    @T.prim_func(private=True, s_tir=True)
+    def attn_decode(var_q: T.handle, var_kv: T.handle, var_sc: T.handle, var_pos: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        S = T.int64()
+        q = T.match_buffer(var_q, (1, H, D), "float32")
+        kv = T.match_buffer(var_kv, (S, 2 * KVH, D), "int8")
+        sc = T.match_buffer(var_sc, (S, 2 * KVH), "float32")
+        pos = T.match_buffer(var_pos, (1,), "int32")
+        out = T.match_buffer(var_out, (1, H * D), "float32")
+        for h in T.thread_binding(T.int64(H), thread="blockIdx.x"):
+            for tx in T.thread_binding(T.int64(NT), thread="threadIdx.x"):
+                with T.sblock("attn"):
+                    T.reads()
+                    T.writes()
+                    s_sh = T.sblock_alloc_buffer((W,), "float32", scope="shared")
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    den = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    sv = T.sblock_alloc_buffer((ITER,), "float32", scope="local")
+                    n: T.let[T.int64] = T.min(T.Cast("int64", pos[0]) + 1, T.int64(W))
+                    kh: T.let[T.int64] = h // G
+                    if tx < D:
+                        q_sh[tx] = q[0, h, tx]
+                    T.tvm_storage_sync("shared")
+                    mx[0] = T.float32(-3.0e38)
+                    for it in T.serial(T.int64(ITER)):
+                        if it * NT + tx < n:
+                            acc[0] = T.float32(0)
+                            for d in T.serial(T.int64(D)):
+                                acc[0] = acc[0] + q_sh[d] * T.Cast("float32", kv[it * NT + tx, kh, d])
+                            sv[it] = acc[0] * sc[it * NT + tx, kh] * T.float32(qscale)
+                            mx[0] = T.max(mx[0], sv[it])
+                    red[tx] = mx[0]
+                    T.tvm_storage_sync("shared")
+                    for k in T.serial(T.int64(NT)):  # every thread reduces the block's values itself
+                        mx[0] = T.max(mx[0], red[k])
+                    T.tvm_storage_sync("shared")
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(ITER)):
+                        if it * NT + tx < n:
+                            s_sh[it * NT + tx] = T.exp(sv[it] - mx[0])
+                            acc[0] = acc[0] + T.exp(sv[it] - mx[0])
+                    red[tx] = acc[0]
+                    T.tvm_storage_sync("shared")
+                    den[0] = T.float32(0)
+                    for k in T.serial(T.int64(NT)):
+                        den[0] = den[0] + red[k]
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(PV_ITER)):
+                        if it * PARTS + tx // D < n:
+                            acc[0] = acc[0] + s_sh[it * PARTS + tx // D] * (
+                                T.Cast("float32", kv[it * PARTS + tx // D, KVH + kh, tx % D])
+                                * sc[it * PARTS + tx // D, KVH + kh])
+                    T.tvm_storage_sync("shared")
+                    red[tx] = acc[0]
+                    T.tvm_storage_sync("shared")
+                    if tx < D:
+                        acc[0] = red[tx]
+                        for k in T.serial(T.int64(PARTS - 1)):
+                            acc[0] = acc[0] + red[(k + 1) * D + tx]
+                        out[0, h * D + tx] = acc[0] / den[0]
+
+    return attn_decode
