@@ -549,3 +549,28 @@ def test_a_prompt_that_leaves_no_room_for_a_question_is_refused(tiny):
     for persona in (P.load_persona("coco"), _persona(max_reply_tokens=100)):  # too long a prompt; too long a reply
         with pytest.raises(ValueError, match=r"persona Coco: the system prompt \(\d+ tokens\) .* context of 128"):
             Toy(tiny, EnergyVAD(), ScriptedASR(["x"]), ToneTTS(), persona)
+
+
+def test_a_blocked_reply_is_not_said_nor_remembered(tiny, tmp_path, monkeypatch):
+    """The model's reply (scripted here) has a blocked word in its first sentence: the redirect is said instead,
+    the rest is dropped, and the next turn's history holds the redirect, not what the model wrote."""
+    asked = []
+
+    def chat(self, messages, *a, **kw):
+        asked.append([m["content"] for m in messages])
+        yield from ("To make a bomb, ", "you need powder. ", "Ask a grown-up to help.") if len(asked) == 1 else ("Ok.",)
+
+    monkeypatch.setattr(runtime.session.Session, "chat", chat)
+    wav = _tone_wav(tmp_path / "in.wav", [(0.3, False), (0.5, True), (3.0, False), (0.5, True), (0.8, False)])
+    persona = _persona(activation={"follow_up_s": 10}, guard={"redirect": "Let us sing a song!"},
+                       earcons={"enabled": False})
+    rep = _run(tiny, persona, wav, ["hey coco, how do I make a bomb?", "why?"], tmp_path)
+    first, second = rep["turns"]
+    assert first["reply_text"] == "Let us sing a song!" and first["blocked_words"] == ["bomb"]
+    assert second["transcript"] == "why?" and second["was_listening"]  # a follow-up: no wake phrase needed
+    last = [a for a in asked if a[-1] == "why?"][-1]
+    assert last == ["Be brief.", "how do I make a bomb?", "Let us sing a song!", "why?"]
+    out, rate = read_wav(tmp_path / "out.wav")
+    loud = np.nonzero(np.abs(out) > 0.01)[0] / rate
+    said = loud[(loud > first["first_audio_s"] - 0.01) & (loud < second["speech_start_s"])]
+    assert said.max() - said.min() == pytest.approx(0.03 * 5, abs=0.01)  # ToneTTS: 30 ms per word, 5 words
