@@ -8,6 +8,10 @@ Devices (all 16 kHz mono float32, so nothing is resampled inside the server):
 - ``virtual_mic``: ``module-remap-source`` of ``micfeed.monitor``: the microphone.
 - ``keepalive``: a null sink that two ``module-loopback latency_msec=100`` streams read both monitors into.
   Without a low-latency reader a null sink renders in 2 s blocks and every capture is 1-2 s late.
+- On request: ``echo_path()``, a ``module-loopback`` from ``speaker.monitor`` into ``micfeed``, so the mic hears
+  what is played (a room's acoustic echo, without the room); ``echo_cancel()``, ``module-echo-cancel``
+  (webrtc, else speex) with ``ec_speaker`` (plays to speaker, the canceller's reference) and ``ec_mic``
+  (virtual_mic with the echo of ec_speaker removed).
 
 How PortAudio reaches it: PortAudio uses ALSA, and ALSA's pulse plugin (``libasound2-plugins``) talks to the
 server named by ``PULSE_SERVER``. ``ALSA_CONFIG_PATH`` is set to the system ``alsa.conf`` plus a file of ours
@@ -51,7 +55,15 @@ set-default-sink speaker
 set-default-source virtual_mic
 """
 MIC_ARGS = ["source_name=virtual_mic", "master=micfeed.monitor", "channels=1", "rate=16000"]
-ASOUND = "".join(f"pcm.{n} {{ type pulse; device {n} }}\n" for n in ("virtual_mic", "speaker", "micfeed"))
+ASOUND = "".join(f"pcm.{n} {{ type pulse; device {n} }}\n"
+                 for n in ("virtual_mic", "speaker", "micfeed", "ec_mic", "ec_speaker"))
+# module-echo-cancel between the speaker and the mic (echo_cancel()); gain control off: its AGC would turn
+# virtual_mic's volume down to ~1/16 (measured) and change what every later test hears
+EC_ARGS = ["source_name=ec_mic", "sink_name=ec_speaker", "source_master=virtual_mic", "sink_master=speaker",
+           "use_master_format=1", 'aec_args="analog_gain_control=0 digital_gain_control=0 extended_filter=1"']
+# extended_filter: the longer filter of webrtc's AEC; the echo path through null sinks and a loopback is longer
+# than the ~50 ms the default one covers (residual echo measured: voiced runs up to 20-70 VAD windows without it,
+# up to 9 with it)
 
 
 def missing_tools() -> list[str]:
@@ -181,13 +193,45 @@ class PulseServer:
         """Unload virtual_mic. PulseAudio 16 moves a stream whose source goes away to the fallback source (and
         back when it returns), so a client would never notice; ``kill_streams`` then kills the clients'
         record streams, as the removal of a real ALSA device does to them."""
+        src = self.source_index("virtual_mic")
+        clients = [line.split()[0] for line in self.pactl("list", "short", "source-outputs").stdout.splitlines()
+                   if "protocol-native" in line and line.split()[1] == src]  # not a recorder of speaker.monitor
         mid = self.module_id("source_name=virtual_mic")
         if mid is not None:
             self.pactl("unload-module", mid)
         if kill_streams:
-            for line in self.pactl("list", "short", "source-outputs").stdout.splitlines():
-                if "protocol-native" in line:
-                    self.pacmd("kill-source-output", line.split()[0])
+            for so in clients:
+                self.pacmd("kill-source-output", so)
+
+    def source_index(self, name: str) -> str | None:
+        for line in self.pactl("list", "short", "sources").stdout.splitlines():
+            if line.split()[1] == name:
+                return line.split()[0]
+        return None
+
+    def echo_path(self, latency_msec: int = 20) -> str:
+        """Route what the speaker plays back into the mic (``speaker.monitor`` -> ``micfeed``, ~latency_msec
+        late; ``adjust_time=0``: a fixed delay, as a room's, not one the loopback keeps resampling to hold);
+        returns the module id for ``unload``."""
+        return self.pactl("load-module", "module-loopback", "source=speaker.monitor", "sink=micfeed",
+                          f"latency_msec={latency_msec}", "adjust_time=0", "source_dont_move=true",
+                          "sink_dont_move=true"
+                          ).stdout.strip()
+
+    def echo_cancel(self) -> tuple[str, str]:
+        """Load module-echo-cancel between ``speaker`` and ``virtual_mic`` (aec_method webrtc, else speex):
+        play to ``ec_speaker``, record ``ec_mic``. Returns (module id, method)."""
+        errors = []
+        for method in ("webrtc", "speex"):
+            r = self.pactl("load-module", "module-echo-cancel", f"aec_method={method}", *EC_ARGS, check=False)
+            if r.returncode == 0:
+                self.warm_up("ec_mic")
+                return r.stdout.strip(), method
+            errors.append(f"{method}: {r.stderr.strip()}")
+        raise RuntimeError(f"module-echo-cancel did not load ({'; '.join(errors)})")
+
+    def unload(self, module_id: str) -> None:
+        self.pactl("unload-module", module_id, check=False)
 
     def restore_mic(self) -> None:
         self.pactl("load-module", "module-remap-source", *MIC_ARGS)

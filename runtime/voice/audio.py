@@ -416,8 +416,10 @@ class Speaker(_Device):
     def __init__(self, device=None, rate: int | None = None, block_ms: float = 10, buffer_s: float = 60.0):
         super().__init__(device, rate, block_ms)
         self._ring = RingBuffer(int(buffer_s * 48000))
-        self._more = False  # the caller said more audio follows: running dry is an underrun
-        self._dry = True
+        self.stats["underrun_ms"] = 0.0  # silence inside streams (play(last=False) ... next play), ms
+        self._more = False  # the caller said more audio follows (play(last=False)), until finish()/stop()
+        self._dry = True  # the callback found the ring empty (set on the audio thread)
+        self._dry_at = 0.0  # monotonic seconds the ring last ran dry
         self._out_latency = 0.0  # seconds from handing a frame over to hearing it (from the callback)
         n = 4096  # callback history: (first ring index, end ring index, monotonic, dac - current)
         self._hist = np.zeros((n, 4), np.float64)
@@ -434,8 +436,8 @@ class Speaker(_Device):
         got = self._ring.read_into(outdata[:, 0])
         if got < frames:
             outdata[got:, 0] = 0
-            if self._more and not self._dry:
-                self.stats["underruns"] += 1
+            if not self._dry:
+                self._dry_at = now + got / self.rate  # play() decides whether this was a gap
             self._dry = True
         else:
             self._dry = False
@@ -455,15 +457,20 @@ class Speaker(_Device):
                                      callback=self._callback, finished_callback=self._finished)
 
     def play(self, audio: np.ndarray, rate: int = SAMPLE_RATE, last: bool = True) -> Chunk | None:
-        """Queue mono float32 audio at ``rate`` Hz. ``last=False`` says more follows (a streamed reply): the
-        queue running dry before the next play() counts as an underrun. Returns the chunk's record, or None
-        when no device is open yet (the audio is dropped and counted as an underrun)."""
+        """Queue mono float32 audio at ``rate`` Hz. ``last=False`` says more follows (a streamed reply): if
+        the queue runs dry before the next play() of the stream, that play() counts an underrun and its gap
+        (``stats["underrun_ms"]``). The end of a stream is ``last=True``, ``finish()`` or ``stop()``: running
+        dry then is no underrun. Returns the chunk's record, or None when no device is open yet (the audio is
+        dropped and counted as an underrun)."""
         audio = np.asarray(audio, np.float32).reshape(-1)
         if self.rate is None and not self._wait_rate.wait(1.0):
             self.stats["underruns"] += 1
             return None
         if rate != self.rate:
             audio = self._soxr.resample(audio, rate, self.rate).astype(np.float32, copy=False)
+        if self._more and self._dry and self._ring.available == 0:  # the stream went silent in the middle
+            self.stats["underruns"] += 1
+            self.stats["underrun_ms"] += max(0.0, time.monotonic() - self._dry_at) * 1e3
         start = self._ring.written
         k = self._ring.write(audio)
         self.stats["overflows"] = self._ring.overflows
@@ -492,6 +499,10 @@ class Speaker(_Device):
             finally:
                 self._flushing = False
         return t
+
+    def finish(self) -> None:
+        """The stream of ``play(last=False)`` chunks is complete: its queue running dry is its end, no underrun."""
+        self._more = False
 
     @property
     def playing(self) -> bool:
