@@ -16,6 +16,8 @@ def qkv_post(H: int, KVH: int, D: int):
 
     HALF = D // 2
     NH = H + 2 * KVH
+    LOG_D = D.bit_length() - 1
+    assert 1 << LOG_D == D
 
     @T.prim_func(private=True, s_tir=True)
     def qkv_post(var_qkv: T.handle, var_cos: T.handle, var_sin: T.handle, var_pos: T.handle, var_kv: T.handle,
@@ -49,10 +51,11 @@ def qkv_post(H: int, KVH: int, D: int):
                     else:
                         val[0] = qkv[0, hh * D + i]
                     red[i] = T.abs(val[0])  # every head takes part, so no sync sits inside a branch
-                    T.tvm_storage_sync("shared")
-                    amax[0] = T.float32(0)
-                    for k in T.serial(T.int64(D)):  # each thread reduces the 64 values itself (broadcast reads)
-                        amax[0] = T.max(amax[0], red[k])
+                    for k in T.unroll(T.int64(LOG_D)):  # butterfly max over the head's D values
+                        T.tvm_storage_sync("shared")
+                        amax[0] = T.max(red[i], red[T.bitwise_xor(i, T.shift_left(T.int64(1), k))])
+                        T.tvm_storage_sync("shared")
+                        red[i] = amax[0]
                     amax[0] = T.max(amax[0] * T.float32(1.0 / 127.0), T.float32(1e-30))
                     if hh < H:
                         q[0, hh, i] = val[0]
@@ -67,13 +70,16 @@ def qkv_post(H: int, KVH: int, D: int):
 def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
     """(q (1, H, D), kv (S, 2KVH, D) int8, sc (S, 2KVH), pos (1,)) -> (1, H*D): softmax(q k^T / sqrt(D)) v over cache
     rows 0..pos[0] (rows beyond are skipped), scanning at most W rows. One block per query head, NT threads:
-    scores one row per thread, block max and sum through shared memory, then P @ V with NT/D threads per column."""
+    scores one row per thread, block max and sum by butterfly all-reduce in shared memory, then P @ V with NT/D
+    threads per output column."""
     from tvm.script import tirx as T
 
     G = H // KVH
     PARTS = NT // D
     ITER = (W + NT - 1) // NT
     PV_ITER = (W + PARTS - 1) // PARTS
+    LOG_NT = NT.bit_length() - 1
+    assert 1 << LOG_NT == NT
     qscale = 1.0 / float(D) ** 0.5
     assert NT % D == 0 and NT >= D
 
@@ -112,9 +118,11 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
                             sv[it] = acc[0] * sc[it * NT + tx, kh] * T.float32(qscale)
                             mx[0] = T.max(mx[0], sv[it])
                     red[tx] = mx[0]
-                    T.tvm_storage_sync("shared")
-                    for k in T.serial(T.int64(NT)):  # every thread reduces the block's values itself
-                        mx[0] = T.max(mx[0], red[k])
+                    for k in T.unroll(T.int64(LOG_NT)):  # butterfly: after log2(NT) steps every thread holds the max
+                        T.tvm_storage_sync("shared")
+                        mx[0] = T.max(red[tx], red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))])
+                        T.tvm_storage_sync("shared")
+                        red[tx] = mx[0]
                     T.tvm_storage_sync("shared")
                     acc[0] = T.float32(0)
                     for it in T.serial(T.int64(ITER)):
@@ -122,10 +130,11 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
                             s_sh[it * NT + tx] = T.exp(sv[it] - mx[0])
                             acc[0] = acc[0] + T.exp(sv[it] - mx[0])
                     red[tx] = acc[0]
-                    T.tvm_storage_sync("shared")
-                    den[0] = T.float32(0)
-                    for k in T.serial(T.int64(NT)):
-                        den[0] = den[0] + red[k]
+                    for k in T.unroll(T.int64(LOG_NT)):  # butterfly sum
+                        T.tvm_storage_sync("shared")
+                        den[0] = red[tx] + red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))]
+                        T.tvm_storage_sync("shared")
+                        red[tx] = den[0]
                     acc[0] = T.float32(0)
                     for it in T.serial(T.int64(PV_ITER)):
                         if it * PARTS + tx // D < n:
