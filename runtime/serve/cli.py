@@ -30,7 +30,7 @@ def add_commands(sub) -> None:
                     help=f"YAML config (default: {DEFAULT_PATH} if it exists, else the built-in defaults; "
                          "'boardtalk serve --print-config' shows every key)")
     sp.add_argument("--print-config", action="store_true",
-                    help="print the effective config (file + flags; the API key hidden) as YAML and exit")
+                    help="print the effective config (file + flags; the API key hidden) as YAML and exit (default: serve)")
     sp.add_argument("--api", metavar="HOST:PORT", type=_host_port,
                     help="HTTP API address (default: api.host:api.port of the config, 127.0.0.1:8080); "
                          "beyond loopback it requires an API key")
