@@ -142,14 +142,20 @@ class TvmCache(KVCache):
         self.owner = backend
         vm = backend.new_vm()
         self.prefill_fn = vm["prefill"]
-        self.decode_fns = [(w, vm[f"decode{w}"]) for w in backend.windows]
         rows, kvh2 = backend.cache_rows, 2 * a.n_kv_heads
         self.kvs = [backend.empty((rows, kvh2, a.head_dim), "int8") for _ in range(a.n_layers)]
         self.scs = [backend.empty((rows, kvh2), "float32") for _ in range(a.n_layers)]
         zero = np.zeros((rows, kvh2), np.float32)
         for s in self.scs:
             backend.upload(s, zero)
-        self.ids_t, self.pos_t = backend.empty((1,), "int32"), backend.empty((1,), "int32")
+        self.ids_t, self.pos_t = backend.empty((1,), "int32"), backend.empty((1,), "int32")  # a step's id, position
+        # each decode function saved with all its arguments bound (every one a buffer of this session or the
+        # model): a step passes nothing, so the ~430 arguments are converted once, not per token
+        self.decode_fns = []
+        for w in backend.windows:
+            vm["save_function"](f"decode{w}", f"step{w}", 1, self.ids_t, self.pos_t, backend.cos, backend.sin,
+                                self.kvs, self.scs, *backend.params)
+            self.decode_fns.append((w, vm[f"step{w}"]))
 
     @property
     def kv(self) -> np.ndarray:
@@ -304,11 +310,10 @@ class TvmBackend:
             c1 = min(T, c0 + MAX_T)
             if c1 - c0 == 1:  # a decode step: one captured CUDA graph (GPU)
                 pos = start + c0
-                w = next(w for w, _ in cache.decode_fns if w > pos)
-                fn = dict(cache.decode_fns)[w]
+                fn = next(f for w, f in cache.decode_fns if w > pos)
                 self.upload(cache.ids_t, ids32[c0:c1])
                 self.upload(cache.pos_t, np.array([pos], np.int32))
-                res = fn(cache.ids_t, cache.pos_t, self.cos, self.sin, cache.kvs, cache.scs, *self.params)
+                res = fn()
                 if c0 >= logits_from:
                     out[c0 - logits_from] = self.download(res[0], (1, self.vocab), np.float32)[0]
             else:
