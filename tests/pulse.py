@@ -196,6 +196,10 @@ class PulseServer:
         src = self.source_index("virtual_mic")
         clients = [line.split()[0] for line in self.pactl("list", "short", "source-outputs").stdout.splitlines()
                    if "protocol-native" in line and line.split()[1] == src]  # not a recorder of speaker.monitor
+        # PulseAudio 16 makes the next source the default (speaker.monitor) and, when virtual_mic comes back,
+        # moves every stream on the default to it: a recorder of speaker.monitor would record the mic instead.
+        # A default that nothing records from avoids that.
+        self.pactl("set-default-source", "keepalive.monitor")
         mid = self.module_id("source_name=virtual_mic")
         if mid is not None:
             self.pactl("unload-module", mid)

@@ -247,3 +247,64 @@ def test_missing_mic_at_start_connects_when_it_appears(pulse):
     finally:
         if pulse.module_id("source_name=virtual_mic") is None:
             pulse.restore_mic()
+
+
+def _drain(spk, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while spk.playing and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_speaker_underruns_are_gaps_inside_a_stream_not_its_end(pulse):
+    """Regression: live mode queued every chunk with last=False and never ended the stream, so each reply's end
+    counted as an underrun. A stream's end (finish(), stop(), last=True) is not one; a chunk that arrives after
+    the queue ran dry is, and its gap is measured."""
+    from runtime.voice.audio import Speaker
+
+    chunk = _tone(440, 0.2)
+    with Speaker("speaker") as spk:
+        assert spk.wait_connected(5)
+        for _ in range(3):  # back to back: no gap
+            spk.play(chunk, SAMPLE_RATE, last=False)
+        _drain(spk)
+        time.sleep(0.1)
+        spk.finish()
+        assert spk.stats["underruns"] == 0, spk.stats
+        spk.play(chunk, SAMPLE_RATE, last=False)  # a new stream after finish(): its start is no underrun
+        _drain(spk)
+        time.sleep(0.3)  # the next chunk comes 0.3 s after the queue ran dry: a real gap
+        spk.play(chunk, SAMPLE_RATE, last=True)
+        _drain(spk)
+        time.sleep(0.1)
+        stats = dict(spk.stats)
+    log.info("speaker: gap measured %.0f ms", stats["underrun_ms"])
+    assert stats["underruns"] == 1, stats
+    assert 250 < stats["underrun_ms"] < 600, stats  # ~0.3 s plus the drain poll
+
+
+def test_live_speaker_sink_counts_per_reply_and_not_the_replys_end(pulse):
+    """Regression (runtime/voice/live.py SpeakerSink passed last=False for every chunk): a reply of three
+    chunks then its end gives 0 underruns for the reply; a reply with a 0.3 s hole gives 1."""
+    from runtime.voice.audio import Speaker
+    from runtime.voice.live import SpeakerSink
+
+    chunk = _tone(330, 0.15, rate=24000)
+    firsts = []
+    with Speaker("speaker") as spk:
+        assert spk.wait_connected(5)
+        sink = SpeakerSink(spk, on_first_audio=lambda: firsts.append(time.monotonic()))
+        for _ in range(3):
+            until = sink(chunk, 24000, time.monotonic())
+        assert until > time.monotonic()  # when the last sample will be heard
+        _drain(spk)
+        time.sleep(0.1)
+        first = sink.end_reply()
+        sink(chunk, 24000, time.monotonic())
+        _drain(spk)
+        time.sleep(0.3)
+        sink(chunk, 24000, time.monotonic())
+        _drain(spk)
+        second = sink.end_reply()
+        assert sink.end_reply() is None  # nothing played since
+    assert first["underruns"] == 0 and second["underruns"] == 1 and second["underrun_ms"] > 250, (first, second)
+    assert len(firsts) == 2  # [speaking] once per reply

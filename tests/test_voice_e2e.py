@@ -373,3 +373,86 @@ def test_without_echo_cancel_barge_in_is_set_off_by_the_bots_own_voice(pulse, tm
     print(f"MEASURED self-interruption without a canceller: stop() {1e3 * (stops[0] - turns[0].first_audio_s):.0f} "
           f"ms after the reply's first audio; speaker silent {stop_ms:.1f} ms after stop()")
     assert stop_ms < 50 + STOP_MARGIN_MS, stop_ms
+
+
+def test_microphone_lost_mid_reply_the_loop_keeps_running_and_answers_after_it_returns(
+        pulse, tmp_path, model, engines, speech):
+    """The mic vanishes while the bot speaks: the reply still plays to its end, the loop is listening again
+    without a mic (fed silence on the clock), the loss and the return are shown, and a question asked after
+    the mic is back is answered."""
+    asr = engines[1]
+    with Live(pulse, tmp_path, model, engines, "virtual_mic", "speaker") as live:
+        pulse.play_into_mic(speech(QUESTION))
+        wait_for(lambda: said(live, "[speaking]"), 20, "the reply")
+        try:
+            pulse.remove_mic()
+            wait_for(lambda: said(live, "[microphone lost"), 5, "the loss to be shown")
+            wait_for(lambda: live.lv.loop.idle, 15, "the reply to end without a microphone")
+            assert not live.lv.mic.connected.is_set(), "the reply ended only because the mic came back"
+            time.sleep(0.3)
+        finally:
+            pulse.restore_mic()
+        wait_for(lambda: said(live, "[microphone back]"), 5, "the return to be shown")
+        t_back = next(t for t, e in live.lv.events if e == "[microphone back]")
+        again = live.ask(speech(QUESTION))
+        turns, stats = list(live.turns), dict(live.lv.mic.stats)
+    print(f"MEASURED mic loss: {stats['reconnects']} reconnect, {stats['open_failures']} failed opens; "
+          f"answered {1e3 * (again.first_audio_s - again.speech_end_s):.0f} ms after the question ended "
+          f"(asked {again.speech_start_s - t_back:.2f} s after the mic was back)")
+    print(f"MEASURED turns: {[(t.transcript, t.reply_text) for t in turns]}")
+    assert len(turns) == 2 and stats["reconnects"] == 1, (turns, stats)
+    assert_latencies_ordered(again)
+    segs = segments(live.recording, gap_s=1.0)
+    assert len(segs) == 2, segs
+    first, second = (transcribe(asr, live.recording[max(0, a - 1600):b + 1600]) for a, b in segs)
+    print(f"MEASURED spoken with the mic gone: {first!r}; after it was back: {second!r}")
+    assert "london" in first.lower() and "london" in second.lower(), (first, second)
+
+
+def test_boardtalk_voice_live_shows_states_and_one_line_per_turn(pulse, tmp_path, real_artifacts, engines, speech):
+    """`boardtalk voice` on the virtual devices, as a user runs it: the states, one line per turn with its
+    latencies in order, the spoken answer, and Ctrl-C ends it cleanly with the audio totals."""
+    asr = engines[1]
+    wav = speech(QUESTION)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "voice", "--artifact", str(real_artifacts["native"]),
+         "--input", "virtual_mic", "--output", "speaker", "--system", SYSTEM, "--max-new-tokens", "32"],
+        cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    rec_path = tmp_path / "cli-speaker.raw"
+    rec = None
+    try:
+        wait_for(lambda: any("[listening] speak" in line for line in err), 60, "boardtalk voice to listen")
+        rec = pulse.record_speaker(rec_path)
+        time.sleep(0.5)
+        pulse.play_into_mic(wav)
+        wait_for(lambda: any(line.startswith("[you:") for line in err), 30, "the turn line")
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if rec is not None:
+            rec.terminate()
+            rec.wait(5)
+    reader.join(5)
+    text = "".join(err)
+    print("MEASURED boardtalk voice said:\n" + text)
+    assert rc == 0, text
+    states = [line.strip() for line in err if line.startswith("[") and not line.startswith(("[you:", "[audio"))]
+    assert states[:5] == ["[listening] speak; Ctrl-C quits", "[hearing you]", "[thinking]", "[speaking]",
+                          "[listening]"], states
+    turn_lines = [line for line in err if line.startswith("[you:")]
+    assert len(turn_lines) == 1 and "england" in turn_lines[0].lower(), turn_lines
+    lat = dict((k, float(v)) for k, v in re.findall(r"([a-z ]+?) (-?\d+) ms", turn_lines[0].split("|")[1]))
+    assert list(lat) == [" transcript", " first token", " end of turn", " first audio"] or \
+        [k.strip() for k in lat] == ["transcript", "first token", "end of turn", "first audio"], lat
+    lat = {k.strip(): v for k, v in lat.items()}
+    assert 0 < lat["transcript"] <= lat["first token"] < lat["first audio"] and lat["end of turn"] <= lat["first audio"]
+    assert "[audio overall: 1 turns, 0 underruns" in text or "[audio overall: 1 turns" in text
+    assert "boardtalk: interrupted" not in text and "Traceback" not in text
+    heard = transcribe(asr, read_raw_f32(rec_path))
+    assert "london" in heard.lower(), heard
