@@ -195,13 +195,16 @@ def _rss_child(args) -> int:
 # ---- soak -----------------------------------------------------------------------------------------------
 
 def _voice_turns(svc, n: int, stop: threading.Event, done: list, warm: threading.Event,
-                 finished: threading.Event) -> None:
+                 finished: threading.Event, latency: list | None = None,
+                 api_running: threading.Event | None = None) -> None:
     """n spoken questions through a VoiceLoop sharing the service's model and gate, at real-time pace."""
     from runtime.serve.scheduler import GatedModel
     from runtime.voice.engines import SAMPLE_RATE, VAD_WINDOW, open_engine
     from runtime.voice.filemode import resample
     from runtime.voice.pipeline import VoiceConfig, VoiceLoop
 
+    latency = [] if latency is None else latency
+    api_running = api_running or threading.Event()
     vad, asr, tts = open_engine("vad"), open_engine("asr"), open_engine("tts")
     clips = []
     for q in QUESTIONS[:3]:
@@ -233,6 +236,8 @@ def _voice_turns(svc, n: int, stop: threading.Event, done: list, warm: threading
                 if (loop.idle and len(loop.turns) > k) or tail > 300:
                     break
             done[0] = len(loop.turns)
+            if len(loop.turns) > k:  # (first-token latency after the end of speech, API turns running?)
+                latency.append((loop.turns[-1].latencies_ms()["first_token"], api_running.is_set()))
             if k + 1 == max(1, n // 10):
                 warm.set()
     finally:
@@ -246,10 +251,12 @@ def cmd_soak(args) -> int:
     with _service(args) as svc:
         port = svc.api_port
         warm_voice, stop, vfinished = threading.Event(), threading.Event(), threading.Event()
-        vdone = [0]
+        vdone, latency, api_running = [0], [], threading.Event()
+        api_running.set()
         vt = None
         if args.voice_turns:
-            vt = threading.Thread(target=_voice_turns, args=(svc, args.voice_turns, stop, vdone, warm_voice, vfinished))
+            vt = threading.Thread(target=_voice_turns, args=(svc, args.voice_turns, stop, vdone, warm_voice, vfinished,
+                                                             latency, api_running))
             vt.start()
         else:
             warm_voice.set()
@@ -270,6 +277,7 @@ def cmd_soak(args) -> int:
             if (i + 1) % 50 == 0:
                 print(f"  {i + 1} API turns, {vdone[0]} voice turns, {time.monotonic() - t0:.0f} s, "
                       f"{snapshot()}", file=sys.stderr, flush=True)
+        api_running.clear()
         if vt is not None:
             vfinished.wait()
         time.sleep(0.5)  # the last cut request's cancellation lands
@@ -286,6 +294,12 @@ def cmd_soak(args) -> int:
     print(f"after warm-up: {base}; end: {end}; growth: RSS {growth['rss_kib'] / 1024:+.2f} MiB, "
           f"fds {growth['fds']:+d}, threads {growth['threads']:+d}")
     print(f"steps run after a cancel (latest): max {max(steps) if steps else '-'}")
+    for busy in (True, False):
+        x = sorted(ms for ms, b in latency if b == busy and ms is not None)
+        if x:
+            print(f"voice first token after the end of speech, API turns {'running' if busy else 'idle'}: "
+                  f"p50 {x[len(x) // 2]:.0f} ms, p10-p90 {x[len(x) // 10]:.0f}-{x[(len(x) * 9) // 10]:.0f} ms "
+                  f"({len(x)} turns)")
     ok = growth["rss_kib"] < 2048 and growth["fds"] <= 0 and growth["threads"] <= 0 and vdone[0] >= args.voice_turns
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

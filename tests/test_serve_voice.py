@@ -130,3 +130,21 @@ def test_wyoming_handle_goes_through_the_scheduler(real_artifacts):
         _wait(lambda: svc.metrics.cancellations.value("disconnect") >= 1, 30, "the cancellation")
         job = svc.scheduler.finished[-1]
         assert job.source == "wyoming" and job.stats.finish_reason == "cancelled" and job.steps_after_cancel <= 1
+
+
+def test_missing_audio_device_at_start_keeps_the_api_serving(pulse, real_artifacts):  # noqa: F811
+    """No such microphone or speaker: the service gets ready, answers the API, retries the devices with
+    backoff and shows it in /metrics."""
+    artifact = real_artifacts["native"]
+    cfg = from_dict({"api": {"port": 0, "max_tokens": 8},
+                     "audio": {"input": "no-such-mic", "output": "no-such-speaker"}})
+    with Background(cfg, lambda sec: runtime.load(artifact)) as svc:
+        assert svc.ready and svc.voice.error is None
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{svc.api_port}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTION}])
+        assert r.usage.completion_tokens == 8
+        _wait(lambda: svc.voice.mic.stats["open_failures"] >= 2, 10, "retries")
+        text = svc.metrics.render()
+        assert 'boardtalk_audio_connected{device="input"} 0' in text
+        assert 'boardtalk_audio_events_total{device="input",event="open_failures"}' in text
