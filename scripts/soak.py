@@ -213,8 +213,9 @@ def _voice_turns(svc, n: int, stop: threading.Event, done: list, warm: threading
         pad = np.zeros(int(0.3 * SAMPLE_RATE), np.float32)
         x = np.concatenate([pad, x, pad])
         clips.append(np.concatenate([x, np.zeros(-len(x) % VAD_WINDOW, np.float32)]))
+    hold = (lambda state: svc.gate.hold_api(state == "speech")) if getattr(svc, "hold_api", True) else None
     loop = VoiceLoop(GatedModel(svc.model, svc.gate), vad, asr, tts, VoiceConfig(system=SYSTEM, max_new_tokens=16),
-                     output=lambda audio, rate, t: t, clock=time.monotonic)
+                     output=lambda audio, rate, t: t, clock=time.monotonic, on_state=hold)
     silence = np.zeros(VAD_WINDOW, np.float32)
     win_s = VAD_WINDOW / SAMPLE_RATE
     try:
@@ -249,6 +250,7 @@ def _voice_turns(svc, n: int, stop: threading.Event, done: list, warm: threading
 
 def cmd_soak(args) -> int:
     with _service(args) as svc:
+        svc.hold_api = not args.no_hold  # as the service's voice loop does (runtime/serve/voice.py)
         port = svc.api_port
         warm_voice, stop, vfinished = threading.Event(), threading.Event(), threading.Event()
         vdone, latency, api_running = [0], [], threading.Event()
@@ -314,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--voice-turns", type=int, default=200, help="soak: voice turns (default: 200; 0 = none)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per API reply (default: 24)")
     p.add_argument("--runs", type=int, default=60, help="bench: measured runs (default: 60)")
+    p.add_argument("--no-hold", action="store_true", help="soak: API steps do not wait while the user speaks "
+                   "(default: they do, as in the service)")
     p.add_argument("--mode", choices=["inproc", "api"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     return {"soak": cmd_soak, "bench": cmd_bench, "rss": cmd_rss}[args.what](args)

@@ -172,3 +172,18 @@ def test_gate_reserves_the_model_for_voice_between_its_steps():
     with gate.step(API):
         waited = time.monotonic() - t0
     assert waited >= 0.2
+
+
+def test_gate_holds_api_steps_while_the_user_speaks_and_the_hold_expires():
+    gate = ComputeGate(grace_s=0.0)
+    gate.hold_api(True)
+    threading.Timer(0.3, gate.hold_api, (False,)).start()
+    t0 = time.monotonic()
+    with gate.step(API):
+        assert time.monotonic() - t0 >= 0.2
+    with gate.step(VOICE):  # voice steps are never held
+        pass
+    gate.hold_api(True, max_s=0.2)  # a hold nobody ends (a stuck state) lapses
+    t0 = time.monotonic()
+    with gate.step(API):
+        assert 0.1 <= time.monotonic() - t0 < 5

@@ -139,6 +139,8 @@ class AudioSection:
     max_new_tokens: int = _key(64, _int(1, 4096), "reply length cap of a voice turn (tokens)")
     hangover_s: float = _key(0.25, _num(0, 10), "silence (seconds) that ends a turn; pure latency")
     barge_in: bool = _key(False, _bool, "speech during a reply stops it (needs echo cancellation)")
+    hold_api: bool = _key(True, _bool, "while the user speaks, API generations pause (at most 10 s) so the ASR "
+                          "passes get the cores; voice model steps always go first")
 
 
 @dataclass(frozen=True)

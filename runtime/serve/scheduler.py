@@ -52,7 +52,8 @@ class ComputeGate:
         self._cond = threading.Condition()
         self._holder: int | None = None
         self._waiting = [0, 0]
-        self._reserved_until = 0.0  # monotonic seconds
+        self._reserved_until = 0.0  # monotonic seconds: API steps wait until then (after a voice step)
+        self._held_until = 0.0  # monotonic seconds: API steps wait until then (the user is speaking)
 
     def acquire(self, prio: int) -> None:
         with self._cond:
@@ -63,7 +64,7 @@ class ComputeGate:
                         if prio == VOICE:
                             break
                         if not self._waiting[VOICE]:
-                            wait = self._reserved_until - time.monotonic()
+                            wait = max(self._reserved_until, self._held_until) - time.monotonic()
                             if wait <= 0:
                                 break
                             self._cond.wait(wait)
@@ -72,6 +73,13 @@ class ComputeGate:
             finally:
                 self._waiting[prio] -= 1
             self._holder = prio
+
+    def hold_api(self, on: bool, max_s: float = 10.0) -> None:
+        """Hold API steps back (for at most max_s seconds) while the voice loop needs the cores for
+        something other than the model: the ASR passes while the user speaks."""
+        with self._cond:
+            self._held_until = time.monotonic() + max_s if on else 0.0
+            self._cond.notify_all()
 
     def release(self) -> None:
         with self._cond:

@@ -74,6 +74,8 @@ class VoiceService:
                 time.sleep(0.1)
 
     def _on_state(self, state: str) -> None:
+        if self.cfg.audio.hold_api:
+            self.gate.hold_api(state == "speech")
         if state != "listening" or self.loop is None:
             return
         turns = self.loop.turns
