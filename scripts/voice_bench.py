@@ -61,6 +61,7 @@ class Clip:
     kind: str  # "espeak", "espeak-pause", "human", "wav"
     ref: str  # what was said ("" = unknown: no WER)
     path: Path
+    speech_end_s: float = 0.0  # where the speech really ends on the played clip's timeline (0.5 s lead)
 
 
 # -- utterances ---------------------------------------------------------------------------------------------
@@ -76,11 +77,14 @@ def _trimmed(path: Path) -> tuple[np.ndarray, int]:
     from runtime.voice.filemode import read_wav
 
     x, rate = read_wav(path)
-    loud = np.nonzero(np.abs(x) > 0.02)[0]
+    loud = np.nonzero(np.abs(x) > 0.003)[0]  # -50 dBFS: keeps faint fricatives ("octopuses")
     return (x[loud[0] : loud[-1] + 1] if len(loud) else x), rate
 
 
-def padded(x: np.ndarray, rate: int, dst: Path, lead_s: float = 0.5, tail_s: float = 0.8) -> Path:
+LEAD_S = 0.5  # silence before each utterance, seconds
+
+
+def padded(x: np.ndarray, rate: int, dst: Path, lead_s: float = LEAD_S, tail_s: float = 0.8) -> Path:
     from runtime.voice.filemode import write_wav
 
     z = lambda s: np.zeros(int(s * rate), np.float32)  # noqa: E731
@@ -88,18 +92,28 @@ def padded(x: np.ndarray, rate: int, dst: Path, lead_s: float = 0.5, tail_s: flo
     return dst
 
 
+def _clip(name: str, kind: str, ref: str, x: np.ndarray, rate: int, dst: Path) -> Clip:
+    """The clip, padded, and where its speech ends: the last 10 ms frame within 40 dB of the loudest one
+    (a recording's noise floor is below that)."""
+    n = rate // 100
+    rms = np.sqrt((x[: len(x) // n * n].reshape(-1, n).astype(np.float64) ** 2).mean(1))
+    loud = np.nonzero(rms > 0.01 * rms.max())[0]
+    end = LEAD_S + ((loud[-1] + 1) * n if len(loud) else len(x)) / rate
+    return Clip(name, kind, ref, padded(x, rate, dst), end)
+
+
 def corpus(tmp: Path, human_dir: Path | None) -> list[Clip]:
     clips = []
     for voice, speed in VOICES:
         for i, q in enumerate(QUESTIONS):
             src = espeak(q, tmp / f"{voice}-{speed}-{i}.src.wav", voice, speed)
-            clips.append(Clip(f"{voice}/{speed}/q{i}", "espeak", q, padded(*_trimmed(src), tmp / f"{voice}-{speed}-{i}.wav")))
+            clips.append(_clip(f"{voice}/{speed}/q{i}", "espeak", q, *_trimmed(src), tmp / f"{voice}-{speed}-{i}.wav"))
     for pause in PAUSES_S:
         for i, (a, b) in enumerate(PAUSED):
             xa, rate = _trimmed(espeak(a, tmp / f"p{i}a.wav"))
             xb, _ = _trimmed(espeak(b, tmp / f"p{i}b.wav"))
             x = np.concatenate([xa, np.zeros(int(pause * rate), np.float32), xb])
-            clips.append(Clip(f"pause{pause:.1f}/p{i}", "espeak-pause", f"{a} {b}", padded(x, rate, tmp / f"p{i}-{pause}.wav")))
+            clips.append(_clip(f"pause{pause:.1f}/p{i}", "espeak-pause", f"{a} {b}", x, rate, tmp / f"p{i}-{pause}.wav"))
     if human_dir is not None and (human_dir / "librivox" / "transcription").exists():
         from runtime.voice.filemode import read_wav
 
@@ -107,9 +121,9 @@ def corpus(tmp: Path, human_dir: Path | None) -> list[Clip]:
             lines = (human_dir / sub / ("transcription" if sub == "librivox" else "cards.transcription")).read_text()
             for m in re.finditer(r"<s> (.*?)\s*</s> \((.*?)\)", lines):
                 x, rate = read_wav(human_dir / sub / f"{m[2]}.wav")
-                clips.append(Clip(f"{sub}/{m[2][-4:]}", "human", m[1], padded(x, rate, tmp / f"h-{sub}-{m[2]}.wav")))
+                clips.append(_clip(f"{sub}/{m[2][-4:]}", "human", m[1], x, rate, tmp / f"h-{sub}-{m[2]}.wav"))
         raw = np.fromfile(human_dir / "goforward.raw", "<i2").astype(np.float32) / 32768  # 16 kHz mono PCM
-        clips.append(Clip("goforward", "human", "go forward ten meters", padded(raw, 16000, tmp / "goforward.wav")))
+        clips.append(_clip("goforward", "human", "go forward ten meters", raw, 16000, tmp / "goforward.wav"))
     return clips
 
 
@@ -229,7 +243,11 @@ def summary(results: list[dict], variants: list[str]) -> str:
                     e, n = e + de, n + dn
             cells.append(f"{100 * e / max(n, 1):.1f} % ({e}/{n})")
         lines.append(f"| WER, {kind} | " + " | ".join(cells) + " |")
-    for label, fn in (("utterances answered as 2+ turns (premature cuts)", lambda r: len(r["turns"]) > 1),
+    for label, fn in (("premature cuts (a turn ended > 50 ms before the speaker finished)",
+                       lambda r: any(t["end_of_turn_s"] < r["speech_end_s"] - 0.05 for t in r["turns"])),
+                      ("premature cuts, of them on the short hangover",
+                       lambda r: any(t["end_of_turn_s"] < r["speech_end_s"] - 0.05 and t.get("end_of_turn_rule") == "complete"
+                                     for t in r["turns"])),
                       ("utterances with no turn", lambda r: not r["turns"]),
                       ("ended by the short (complete-sentence) hangover",
                        lambda r: any(t.get("end_of_turn_rule") == "complete" for t in r["turns"])),
@@ -334,7 +352,7 @@ def main() -> int:
         tmp = Path(tmp)
         if args.wav:
             refs = (args.ref or []) + [""] * len(args.wav)
-            clips = [Clip(Path(w).name, "wav", refs[i], padded(*_trimmed(Path(w)), tmp / f"w{i}.wav"))
+            clips = [_clip(Path(w).name, "wav", refs[i], *_trimmed(Path(w)), tmp / f"w{i}.wav")
                      for i, w in enumerate(args.wav)]
         else:
             clips = corpus(tmp, Path(args.human_dir) if args.human_dir else None)
@@ -347,7 +365,8 @@ def main() -> int:
                     turns = [tr] if tr else []
                 else:
                     turns = run_file(model, vad, asr, tts, clip.path, None, configs[v], tail_s=3.0)["turns"]
-                results.append({"clip": clip.name, "kind": clip.kind, "ref": clip.ref, "variant": v, "turns": turns})
+                results.append({"clip": clip.name, "kind": clip.kind, "ref": clip.ref, "variant": v, "turns": turns,
+                                "speech_end_s": clip.speech_end_s})
                 lat = latencies(turns[0]) if turns else {}
                 heard = " | ".join(t["transcript"] for t in turns)
                 print(f"{clip.name:>22} {v:>14}: {heard[:44]!r:46} " + ", ".join(

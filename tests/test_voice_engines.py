@@ -354,6 +354,13 @@ def test_tts_same_seed_same_audio(tts):
     np.testing.assert_array_equal(tts.synthesize("Hello there."), tts.synthesize("Hello there."))
 
 
+def test_tts_speaks_a_runaway_number(tts):
+    """Regression: hibari raised IndexError on a number past 10**15 ("A spider has 12000000000000000000000 legs",
+    seen from the LLM in the voice bench) and the chunk was never spoken."""
+    audio = tts.synthesize("A spider has " + "1" + "0" * 30 + " legs.")
+    assert audio.dtype == np.float32 and len(audio) > tts.sample_rate
+
+
 def test_piper_without_its_package_says_how_to_install(monkeypatch):
     import sys
 

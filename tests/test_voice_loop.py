@@ -151,7 +151,8 @@ def test_a_pause_shorter_than_the_hangover_restarts_the_speculation(model, tmp_p
 def test_complete_sentence():
     from runtime.voice.pipeline import complete_sentence
 
-    for text in ("Why is the sky blue?", "Tell me a fun fact.", "Go forward 10 meters.", "Stop!"):
+    for text in ("Why is the sky blue?", "Tell me a fun fact.", "Go forward 10 meters.", "Stop!",
+                 "How many legs does a spider have?", "What is that?"):
         assert complete_sentence(text), text
     for text in ("What is the capital of?", "Remind me to call my.", "Can you tell me", "and so...", "", None,
                  "Turn on the lights and."):

@@ -445,11 +445,11 @@ class VoiceLoop:
         self.session.close()
 
 
-# Words a finished English sentence does not end in: articles, prepositions, conjunctions, possessives,
-# auxiliaries. A transcript ending in one of them (even with Whisper's full stop) is a pause mid-sentence.
-_OPEN_ENDINGS = frozenset("""a an the of to in on at for from with by about into onto over under and or but
-nor so because if than that which who whose my your his her its our their this these those is are was were be
-am do does did can could will would should shall may might must have has had not very some any no""".split())
+# Words a finished English sentence rarely ends in: articles, conjunctions, possessives and prepositions that
+# are seldom particles. A transcript ending in one (even with Whisper's full stop) is a pause mid-sentence.
+# Auxiliaries and pronouns are not here: questions end in them ("How many legs does a spider have?").
+_OPEN_ENDINGS = frozenset("""a an the and or but nor because if than of to for from with by into onto at my your
+his her its our their very""".split())
 
 
 def complete_sentence(text: str | None) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'boardtalk[voice]'"
 GPL_INSTALL_HINT = "pip install 'boardtalk[voice-gpl]'"
 HIBARI_VERSION = "0.2.1"  # the asset registry's hibari.onnx is this version's
+_LONG_NUMBER = re.compile(r"\d{16,}")  # digit runs hibari cannot name
 
 
 class HibariTTS:
@@ -59,6 +61,9 @@ class HibariTTS:
         self.seed, self.speed = seed, speed
 
     def synthesize(self, text: str) -> np.ndarray:
+        # hibari 0.2.1 names numbers up to 10**15 and raises IndexError past that ("A spider has 1200000000000000000
+        # 000 legs", a small LLM's runaway reply): longer digit runs are read digit by digit
+        text = _LONG_NUMBER.sub(lambda m: " ".join(m[0]), text)
         return np.asarray(self._tts(text, speed=self.speed, seed=self.seed), np.float32)
 
     def warmup(self) -> None:
