@@ -151,3 +151,146 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
                         out[0, h * D + tx] = acc[0] / den[0]
 
     return attn_decode
+
+
+def qkv_post_rows(H: int, KVH: int, D: int):
+    """qkv_post for T rows at positions start.. (prefill): (qkv (T, ...), cos, sin, kv, sc, start) -> q (T, H, D).
+    One block per (row, head)."""
+    from tvm.script import tirx as T
+
+    HALF = D // 2
+    NH = H + 2 * KVH
+    LOG_D = D.bit_length() - 1
+    assert 1 << LOG_D == D
+
+    @T.prim_func(private=True, s_tir=True)
+    def qkv_post_rows(var_qkv: T.handle, var_cos: T.handle, var_sin: T.handle, var_kv: T.handle, var_sc: T.handle,
+                      start: T.int64, var_q: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        P, S, Tn = T.int64(), T.int64(), T.int64()
+        qkv = T.match_buffer(var_qkv, (Tn, NH * D), "float32")
+        cos = T.match_buffer(var_cos, (P, HALF), "float32")
+        sin = T.match_buffer(var_sin, (P, HALF), "float32")
+        kv = T.match_buffer(var_kv, (S, 2 * KVH, D), "int8")
+        sc = T.match_buffer(var_sc, (S, 2 * KVH), "float32")
+        q = T.match_buffer(var_q, (Tn, H, D), "float32")
+        for b in T.thread_binding(Tn * NH, thread="blockIdx.x"):
+            for i in T.thread_binding(T.int64(D), thread="threadIdx.x"):
+                with T.sblock("post"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    val = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    t: T.let[T.int64] = b // NH
+                    hh: T.let[T.int64] = b % NH
+                    p: T.let[T.int64] = start + t
+                    j: T.let[T.int64] = i // 2
+                    a: T.let[T.float32] = qkv[t, hh * D + 2 * j]
+                    b: T.let[T.float32] = qkv[t, hh * D + 2 * j + 1]
+                    if hh < H + KVH:
+                        if i % 2 == 0:
+                            val[0] = a * cos[p, j] - b * sin[p, j]
+                        else:
+                            val[0] = a * sin[p, j] + b * cos[p, j]
+                    else:
+                        val[0] = qkv[t, hh * D + i]
+                    red[i] = T.abs(val[0])  # every head takes part, so no sync sits inside a branch
+                    for k in T.unroll(T.int64(LOG_D)):  # butterfly max over the head's D values
+                        T.tvm_storage_sync("shared")
+                        amax[0] = T.max(red[i], red[T.bitwise_xor(i, T.shift_left(T.int64(1), k))])
+                        T.tvm_storage_sync("shared")
+                        red[i] = amax[0]
+                    amax[0] = T.max(amax[0] * T.float32(1.0 / 127.0), T.float32(1e-30))
+                    if hh < H:
+                        q[t, hh, i] = val[0]
+                    else:
+                        kv[p, hh - H, i] = T.Cast("int8", T.nearbyint(val[0] / amax[0]))
+                        if i == 0:
+                            sc[p, hh - H] = amax[0]
+
+    return qkv_post_rows
+
+
+def attn_rows(H: int, KVH: int, D: int, W: int, NT: int = 256):
+    """attn_decode for T query rows at positions start.. (prefill, causal): one block per (row, head)."""
+    from tvm.script import tirx as T
+
+    G = H // KVH
+    PARTS = NT // D
+    ITER = (W + NT - 1) // NT
+    PV_ITER = (W + PARTS - 1) // PARTS
+    LOG_NT = NT.bit_length() - 1
+    assert 1 << LOG_NT == NT
+    qscale = 1.0 / float(D) ** 0.5
+    assert NT % D == 0 and NT >= D
+
+    @T.prim_func(private=True, s_tir=True)
+    def attn_rows(var_q: T.handle, var_kv: T.handle, var_sc: T.handle, start: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        S, Tn = T.int64(), T.int64()
+        q = T.match_buffer(var_q, (Tn, H, D), "float32")
+        kv = T.match_buffer(var_kv, (S, 2 * KVH, D), "int8")
+        sc = T.match_buffer(var_sc, (S, 2 * KVH), "float32")
+        out = T.match_buffer(var_out, (Tn, H * D), "float32")
+        for b in T.thread_binding(Tn * H, thread="blockIdx.x"):
+            for tx in T.thread_binding(T.int64(NT), thread="threadIdx.x"):
+                with T.sblock("attn"):
+                    T.reads()
+                    T.writes()
+                    s_sh = T.sblock_alloc_buffer((W,), "float32", scope="shared")
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    den = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    sv = T.sblock_alloc_buffer((ITER,), "float32", scope="local")
+                    t: T.let[T.int64] = b // H
+                    h: T.let[T.int64] = b % H
+                    n: T.let[T.int64] = T.min(start + t + 1, T.int64(W))
+                    kh: T.let[T.int64] = h // G
+                    if tx < D:
+                        q_sh[tx] = q[t, h, tx]
+                    T.tvm_storage_sync("shared")
+                    mx[0] = T.float32(-3.0e38)
+                    for it in T.serial(T.int64(ITER)):
+                        if it * NT + tx < n:
+                            acc[0] = T.float32(0)
+                            for d in T.serial(T.int64(D)):
+                                acc[0] = acc[0] + q_sh[d] * T.Cast("float32", kv[it * NT + tx, kh, d])
+                            sv[it] = acc[0] * sc[it * NT + tx, kh] * T.float32(qscale)
+                            mx[0] = T.max(mx[0], sv[it])
+                    red[tx] = mx[0]
+                    for k in T.unroll(T.int64(LOG_NT)):  # butterfly: after log2(NT) steps every thread holds the max
+                        T.tvm_storage_sync("shared")
+                        mx[0] = T.max(red[tx], red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))])
+                        T.tvm_storage_sync("shared")
+                        red[tx] = mx[0]
+                    T.tvm_storage_sync("shared")
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(ITER)):
+                        if it * NT + tx < n:
+                            s_sh[it * NT + tx] = T.exp(sv[it] - mx[0])
+                            acc[0] = acc[0] + T.exp(sv[it] - mx[0])
+                    red[tx] = acc[0]
+                    for k in T.unroll(T.int64(LOG_NT)):  # butterfly sum
+                        T.tvm_storage_sync("shared")
+                        den[0] = red[tx] + red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))]
+                        T.tvm_storage_sync("shared")
+                        red[tx] = den[0]
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(PV_ITER)):
+                        if it * PARTS + tx // D < n:
+                            acc[0] = acc[0] + s_sh[it * PARTS + tx // D] * (
+                                T.Cast("float32", kv[it * PARTS + tx // D, KVH + kh, tx % D])
+                                * sc[it * PARTS + tx // D, KVH + kh])
+                    T.tvm_storage_sync("shared")
+                    red[tx] = acc[0]
+                    T.tvm_storage_sync("shared")
+                    if tx < D:
+                        acc[0] = red[tx]
+                        for k in T.serial(T.int64(PARTS - 1)):
+                            acc[0] = acc[0] + red[(k + 1) * D + tx]
+                        out[t, h * D + tx] = acc[0] / den[0]
+
+    return attn_rows

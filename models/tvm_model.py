@@ -230,10 +230,11 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int], cuda: bool = False):
                     sc[T.Cast("int64", pos[0]), vh] = scales[0, vh]
 
     if cuda:
-        from .tvm_kernels import attn_decode, qkv_post
+        from .tvm_kernels import attn_decode, attn_rows, qkv_post, qkv_post_rows
 
-        post_kernel = qkv_post(H, KVH, D)
+        post_kernel, post_rows_kernel = qkv_post(H, KVH, D), qkv_post_rows(H, KVH, D)
         attn_kernels = {w: attn_decode(H, KVH, D, w) for w in windows}
+        attn_rows_kernel = attn_rows(H, KVH, D, max_ctx)
 
     # ---- the module -----------------------------------------------------------------------------------
     class Q4Linear(nn.Module):
@@ -260,15 +261,25 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int], cuda: bool = False):
         def forward(self, h, cos, sin, kv, sc, start):
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.attn_norm])
             qkv = self.qkv(x)
-            q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, start])
-            codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, start])
-            kv, sc = op.tensor_ir_inplace_op(kv_write, "kv_write", [kv, sc, codes, scales, start], [0, 1],
-                                             [nn.Tensor.placeholder(kv.shape, "int8"),
-                                              nn.Tensor.placeholder(sc.shape, f32)])
-            ctx = op.tensor_expr_op(attention, "attention", [q, kv, sc, start])
+            if cuda:  # the hand kernels, one block per (row, head): models/tvm_kernels.py
+                T_ = h.shape[0]
+                q, kv, sc = op.tensor_ir_inplace_op(
+                    post_rows_kernel, "qkv_post_rows", [qkv, cos, sin, kv, sc, start], [-1, 3, 4],
+                    [nn.Tensor.placeholder((T_, H, D), f32), nn.Tensor.placeholder(kv.shape, "int8"),
+                     nn.Tensor.placeholder(sc.shape, f32)])
+                ctx = op.tensor_ir_op(attn_rows_kernel, "attn_rows", [q, kv, sc, start],
+                                      nn.Tensor.placeholder((T_, H * D), f32))
+            else:
+                q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, start])
+                codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, start])
+                kv, sc = op.tensor_ir_inplace_op(kv_write, "kv_write", [kv, sc, codes, scales, start], [0, 1],
+                                                 [nn.Tensor.placeholder(kv.shape, "int8"),
+                                                  nn.Tensor.placeholder(sc.shape, f32)])
+                ctx = op.tensor_expr_op(attention, "attention", [q, kv, sc, start])
             h = op.tensor_expr_op(add, "add", [h, self.o(ctx)])
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.ffn_norm])
-            return op.tensor_expr_op(add, "add", [h, self.down.swiglu_forward(self.gate_up(x))]), kv, sc
+            gu = op.tensor_expr_op(swiglu, "swiglu", [self.gate_up(x)])  # (prefill: fused into the GEMM it was slower)
+            return op.tensor_expr_op(add, "add", [h, self.down(gu)]), kv, sc
 
         def step(self, h, cos, sin, kv, sc, pos, window: int):
             """One token at position pos[0] (a device tensor: every shape static, so the whole step can be
