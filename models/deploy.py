@@ -302,23 +302,28 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
 
     def copy() -> str:
         use_rsync = _use_rsync(opts, st.board_info)
-        name = st.name
-        remote(opts, "copy", f"mkdir -p {shlex.quote(d)}/wheels {shlex.quote(d)}/artifacts/{name}.new "
-                             f"{shlex.quote(d)}/bin", timeout=120)
+        name, files = st.name, _artifact_files(st.artifact)  # exactly the artifact: manifest, signature, its files
+        q = shlex.quote(d)
+        remote(opts, "copy", f"rm -rf {q}/artifacts/{name}.new && mkdir -p {q}/wheels {q}/artifacts/{name}.new {q}/bin",
+               timeout=120)
         if use_rsync:
             rsh = shlex.join(ssh_base(opts))
             _run_local("copy", ["rsync", "-a", "--delete", "-e", rsh, f"{st.wheels}/", f"{to.dest}:{d}/wheels/"])
-            _run_local("copy", ["rsync", "-a", "--delete", f"--link-dest=../{name}", "-e", rsh, f"{st.artifact}/",
-                                f"{to.dest}:{d}/artifacts/{name}.new/"])
+            with tempfile.NamedTemporaryFile("w", suffix=".list") as lst:
+                lst.write("".join(f"{n}\n" for n in files))
+                lst.flush()
+                _run_local("copy", ["rsync", "-a", f"--files-from={lst.name}", f"--link-dest=../{name}", "-e", rsh,
+                                    f"{st.artifact}/", f"{to.dest}:{d}/artifacts/{name}.new/"])
         else:
             tar_over_ssh(opts, "copy", st.wheels, f"{d}/wheels")
-            tar_over_ssh(opts, "copy", st.artifact, f"{d}/artifacts/{name}.new")
+            tar_over_ssh(opts, "copy", st.artifact, f"{d}/artifacts/{name}.new", files)
         return f"with {'rsync' if use_rsync else 'tar over ssh'} to {to.dest}:{d}"
 
     steps.append(Step("copy", f"copy the wheels to {d}/wheels and the artifact to {d}/artifacts/NAME.new (rsync over "
                               "ssh, unchanged files hard-linked to the live copy; tar over ssh without rsync)",
                       [f"rsync -a --delete -e '{shlex.join(ssh_base(opts))}' WHEELS/ {to.dest}:{d}/wheels/",
-                       f"rsync -a --delete --link-dest=../NAME -e '...' ARTIFACT/ {to.dest}:{d}/artifacts/NAME.new/"],
+                       f"rsync -a --files-from=<manifest's files> --link-dest=../NAME -e '...' ARTIFACT/ "
+                       f"{to.dest}:{d}/artifacts/NAME.new/"],
                       copy))
 
     def install() -> str:
@@ -380,6 +385,14 @@ def _artifact_backend(path: str) -> str:
         raise ValueError(f"--artifact {path}: {e}") from None
 
 
+def _artifact_files(art: Path) -> list[str]:
+    """What the board gets of an artifact directory: manifest.yaml, manifest.sig if signed, the listed files."""
+    from runtime.artifact import load_manifest
+
+    sig = ["manifest.sig"] if (art / "manifest.sig").is_file() else []
+    return ["manifest.yaml", *sig, *sorted(load_manifest(art, verify_files=False).files)]
+
+
 def _tarball(path: str) -> bool:
     return str(path).endswith((".tar", ".tar.gz", ".tgz"))
 
@@ -402,16 +415,17 @@ def _use_rsync(opts: DeployOptions, info: dict) -> bool:
 # ---------------------------------------------------------------------------------------------
 # What the steps do
 
-def tar_over_ssh(opts: DeployOptions, step: str, src: Path, dest: str) -> None:
-    """src's files into dest on the board (emptied first) as one tar stream through ssh."""
+def tar_over_ssh(opts: DeployOptions, step: str, src: Path, dest: str, names: list[str] | None = None) -> None:
+    """src's files (those named, else every plain file) into dest on the board (emptied first) as one tar
+    stream through ssh."""
     q = shlex.quote(dest)
     cmd = [*ssh_base(opts), "--", opts.to.dest, f"rm -rf {q} && mkdir -p {q} && tar -C {q} -xf -"]
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
         try:
             with tarfile.open(fileobj=proc.stdin, mode="w|") as tf:
-                for p in sorted(src.iterdir()):
-                    if p.is_file() and not p.name.endswith(".lock"):
+                for p in [src / n for n in names] if names is not None else sorted(src.iterdir()):
+                    if names is not None or p.is_file():
                         tf.add(p, arcname=p.name, recursive=False)
         except BrokenPipeError:
             pass  # ssh ended early: its status and stderr say why

@@ -282,7 +282,7 @@ def deployed(board, tiny_pi5):
 
 @pytest.mark.slow
 @needs_board
-def test_deploy_over_ssh_to_an_arm64_board(deployed, board, tiny_artifacts):
+def test_deploy_over_ssh_to_an_arm64_board(deployed, board, tiny_artifacts, tiny_pi5):
     """Every step runs for real, and the board (arm64 Python under qemu, runtime from wheels only) gives
     the greedy ids this x86 host gives on the same model: exactly, for the tiny model (as the
     Cortex-A76 forward pass test demands of its logits' argmax)."""
@@ -301,6 +301,7 @@ def test_deploy_over_ssh_to_an_arm64_board(deployed, board, tiny_artifacts):
     d = board["dir"]
     assert os.readlink(d / "current") == "artifacts/tiny-native-pi5"
     assert not (d / "artifacts/tiny-native-pi5.new").exists()
+    assert sorted(p.name for p in (d / "current").iterdir()) == sorted(p.name for p in tiny_pi5.iterdir())
     # the launcher works from anywhere, and the runtime there never imported the build side's packages
     res = subprocess.run([str(d / "bin/boardtalk"), "generate", "--artifact", str(d / "current"), "--prompt", "hi",
                           "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=300, cwd="/")
@@ -330,15 +331,19 @@ def test_runtime_only_install_size_on_arm64(deployed, board):
 @needs_board
 def test_redeploy_with_tar_keeps_the_installed_runtime(deployed, board, tiny_pi5, tmp_path):
     """A second deploy of the same wheels skips the install (its stamp matches) and copies with a tar stream
-    over ssh; the runtime's files are the same inodes afterwards."""
+    over ssh; the runtime's files are the same inodes afterwards. Only the artifact's own files travel (a
+    stray file beside them stays here)."""
     marker = board["dir"] / "runtime/runtime/__init__.py"
     before = marker.stat().st_ino
+    art = shutil.copytree(tiny_pi5, tmp_path / "tiny-pi5")
+    (art / "notes.txt").write_text("not part of the artifact")
     # the wheels the first deploy shipped (a new wheel of this checkout would differ while it is being edited)
     wheels = shutil.copytree(board["dir"] / "wheels", tmp_path / "wheels")
-    rc, out, err = _deploy(board, tiny_pi5, "--transfer", "tar", "--wheels", str(wheels))
+    rc, out, err = _deploy(board, art, "--transfer", "tar", "--wheels", str(wheels))
     assert rc == 0, err[-2000:]
     assert "runtime unchanged" in err and "with tar over ssh" in err
     assert marker.stat().st_ino == before
+    assert sorted(p.name for p in (board["dir"] / "current").iterdir()) == sorted(p.name for p in tiny_pi5.iterdir())
     assert json.loads(out.strip().splitlines()[-1])["verify"]["token_ids"] == deployed["result"]["verify"]["token_ids"]
 
 
