@@ -149,25 +149,29 @@ def test_verify_refuses_a_damaged_artifact_in_one_line(tiny_artifacts, tmp_path,
 
 
 @pytest.mark.kernels
-@pytest.mark.skipif(not CROSS, reason="install gcc-aarch64-linux-gnu to build for the Pi 5")
-def test_build_only_packs_a_pi5_tarball(tiny_gguf, tmp_path, capsys):
-    """Without --to, deploy only builds: a tarball whose kernels are aarch64 code for the Cortex-A76, which
-    this x86 machine refuses to run with a line that names the board."""
+@pytest.mark.skipif(not CROSS, reason="install gcc-aarch64-linux-gnu to build for the Pi 5 and the Orin")
+@pytest.mark.parametrize("board,out,cpu", [("pi5", "pi5.tar.gz", "cortex-a76"),
+                                           ("jetson-orin-nano", "orin-nano", "cortex-a78ae"),
+                                           ("jetson-agx-orin", "agx.tar", "cortex-a78ae")])
+def test_build_only_gives_the_boards_artifact(tiny_gguf, tmp_path, capsys, board, out, cpu):
+    """Without --to, deploy only builds, into a directory or a tarball: kernels that are aarch64 code for
+    the board's CPU, which this x86 machine refuses to run with a line that names the board."""
     import runtime
     from runtime.artifact import load_manifest, open_artifact
     from runtime.native import library_arch
 
-    out = tmp_path / "pi5.tar.gz"
-    rc, stdout, err = _run_cli(["deploy", "--board", "pi5", "--model", str(tiny_gguf), "--out", str(out),
+    out = tmp_path / out
+    rc, stdout, err = _run_cli(["deploy", "--board", board, "--model", str(tiny_gguf), "--out", str(out),
                                 "--max-context", "128"], capsys)
-    assert rc == 0 and stdout.strip() == str(out) and "packed into" in err
-    with tarfile.open(out) as tf:
-        assert tf.getnames()[0].endswith("/manifest.yaml")
+    assert rc == 0 and stdout.strip() == str(out) and ("packed into" in err) == out.name.endswith(("tar", "gz"))
+    if out.is_file():
+        with tarfile.open(out) as tf:
+            assert tf.getnames()[0].endswith("/manifest.yaml")
     art = open_artifact(out)
     m = load_manifest(art)
-    assert m.target.board == "pi5" and m.kernels.cflags == ("-mcpu=cortex-a76",) and m.kernels.simd == "neon+dotprod"
+    assert m.target.board == board and m.kernels.cflags == (f"-mcpu={cpu}",) and m.kernels.simd == "neon+dotprod"
     assert library_arch(art / m.kernels.file) == "aarch64"
-    with pytest.raises(runtime.ArtifactError, match="built for board 'pi5'"):
+    with pytest.raises(runtime.ArtifactError, match=f"built for board '{board}'"):
         runtime.load(out)
 
 
