@@ -62,6 +62,14 @@ def tvm_cpu_artifact(tiny_gguf, tmp_path_factory, board_name):
 
 
 @pytest.fixture(scope="session")
+def cuda_build_here(tiny_gguf, tmp_path_factory):
+    """The tiny model built here for the Jetson (CUDA) target, once per session."""
+    if not (_have_tvm() and _have_nvcc()):
+        pytest.skip("needs TVM, nvcc (CUDA 13, /usr/local/cuda-13.0) and aarch64-linux-gnu-gcc to build a CUDA artifact")
+    return build_cuda_tiny(tiny_gguf, tmp_path_factory.mktemp("tvm-cuda-here") / "orin")
+
+
+@pytest.fixture(scope="session")
 def tvm_cuda_artifact(tiny_gguf, tmp_path_factory):
     if os.environ.get("BOARDTALK_TVM_CUDA_ARTIFACT"):
         return Path(os.environ["BOARDTALK_TVM_CUDA_ARTIFACT"])
@@ -138,13 +146,10 @@ def test_decode_windows_switch_without_changing_results(tiny_gguf, tmp_path):
     assert np.abs(la[120:] - lb).max() < 1e-2
 
 
-@needs_tvm
-def test_cuda_build_writes_the_manifest_a_board_needs(tiny_gguf, tmp_path):
+def test_cuda_build_writes_the_manifest_a_board_needs(cuda_build_here):
     """The Jetson artifact: a Relax executable per host (aarch64 board, x86_64 dev GPU), a fatbin of sm_87
     SASS + compute_87 PTX, and a manifest naming target, arch, PTX ISA and the CUDA major it needs."""
-    if not _have_nvcc():
-        pytest.skip("needs nvcc (CUDA 13, /usr/local/cuda-13.0) and aarch64-linux-gnu-gcc")
-    art = build_cuda_tiny(tiny_gguf, tmp_path / "orin")
+    art = cuda_build_here
     from runtime.artifact import load_manifest
 
     m = load_manifest(art)
@@ -160,14 +165,11 @@ def test_cuda_build_writes_the_manifest_a_board_needs(tiny_gguf, tmp_path):
     assert set(m.files) == {"tvm_weights.bin", "tvm.json", "tokenizer.bpe", *t["libraries"].values()}
 
 
-@needs_tvm
-def test_loading_a_cuda_artifact_without_a_gpu_names_what_is_missing(tiny_gguf, tmp_path):
+def test_loading_a_cuda_artifact_without_a_gpu_names_what_is_missing(cuda_build_here):
     """On a machine without the NVIDIA driver (this CI machine), load fails with one line saying so."""
-    if not _have_nvcc():
-        pytest.skip("needs nvcc and aarch64-linux-gnu-gcc to build the CUDA artifact")
     if _gpu_present():
         pytest.skip("this machine has a GPU")
-    art = build_cuda_tiny(tiny_gguf, tmp_path / "orin")
+    art = cuda_build_here
     code = ("import runtime, sys\ntry:\n    runtime.load(sys.argv[1], board='jetson-orin-nano')\n"
             "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n")
     r = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True, text=True, cwd=ROOT,

@@ -60,8 +60,9 @@ def _runtime_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
-def _load_runtime(cuda: bool):
-    """tvm_ffi plus TVM's runtime libraries (once per process); raises TvmUnavailable naming what is missing."""
+def _load_runtime(cuda: bool, cuda_major: int = 13):
+    """tvm_ffi plus TVM's runtime libraries (once per process); raises TvmUnavailable naming what is missing.
+    cuda_major: the CUDA runtime the artifact's TVM runtime links (the manifest's tvm.cuda_runtime_major)."""
     if _RT.get("cuda") or (_RT and not cuda):
         return _RT["ffi"]
     try:
@@ -76,14 +77,15 @@ def _load_runtime(cuda: bool):
         ctypes.CDLL(str(rt), mode=ctypes.RTLD_GLOBAL)
         _RT["ffi"] = tvm_ffi
     if cuda:
+        cudart = f"libcudart.so.{cuda_major}"
         for lib, what in (("libcuda.so.1", "the NVIDIA driver (libcuda.so.1) is not installed: this machine has no "
                                           "usable NVIDIA GPU"),
-                          ("libcudart.so.13", "the CUDA 13 runtime (libcudart.so.13) is missing: on JetPack 6 "
-                                              "(CUDA 12) see docs/gpu.md; elsewhere pip install nvidia-cuda-runtime")):
+                          (cudart, f"the CUDA {cuda_major} runtime ({cudart}) is missing: the artifact was built with "
+                                   f"CUDA {cuda_major} (docs/gpu.md says which JetPack runs it)")):
             try:
                 ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
             except OSError:
-                if lib == "libcudart.so.13" and _preload_pip_cudart():
+                if lib == cudart and _preload_pip_cudart(cudart):
                     continue
                 raise TvmUnavailable(f"cannot run a CUDA artifact here: {what}") from None
         try:
@@ -94,8 +96,8 @@ def _load_runtime(cuda: bool):
     return _RT["ffi"]
 
 
-def _preload_pip_cudart() -> bool:
-    """libcudart.so.13 from the nvidia-cuda-runtime wheel, if installed (it is not on the loader's path)."""
+def _preload_pip_cudart(name: str) -> bool:
+    """libcudart.so.N from the nvidia-cuda-runtime wheel, if installed (it is not on the loader's path)."""
     import importlib.util
 
     for pkg in ("nvidia.cu13", "nvidia.cuda_runtime"):
@@ -104,7 +106,7 @@ def _preload_pip_cudart() -> bool:
         except (ImportError, ValueError):
             continue
         for loc in (spec.submodule_search_locations or []) if spec else []:
-            for p in Path(loc).rglob("libcudart.so.13"):
+            for p in Path(loc).rglob(name):
                 ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
                 return True
     return False
@@ -203,7 +205,7 @@ class TvmBackend:
         if host not in libs:
             raise TvmUnavailable(f"this artifact has host code for {', '.join(libs) or 'nothing'}, not for this "
                                  f"{host} machine: rebuild it for this board")
-        ffi = _load_runtime(cuda=bool(self.cuda_arch))
+        ffi = _load_runtime(cuda=bool(self.cuda_arch), cuda_major=int(info.get("cuda_runtime_major") or 13))
         self.ffi = ffi
         # One GPU step at a time: the device runs them one after another anyway, and a CUDA graph being captured
         # for one session must not see another thread's copies (cudaStreamCaptureModeGlobal forbids them).
