@@ -313,6 +313,12 @@ def model_arrays(src) -> dict[str, np.ndarray]:
     return out
 
 
+def _cuda_boards() -> list[str]:
+    import boards
+
+    return [n for n, p in boards.PROFILES.items() if p.cuda_arch]
+
+
 def _cols(src, name: str) -> int:
     return int(src.tensors[name].shape[0])  # gguf lists dims innermost first: shape[0] = columns (K)
 
@@ -344,6 +350,9 @@ def build_tvm_files(src, out_dir: Path, profile, max_ctx: int, progress=None):
 
     dims = Dims.of(src.config)
     arch = profile.cuda_arch
+    if not arch and profile.name != "host":
+        raise ValueError(f"the tvm backend targets CUDA boards ({', '.join(b for b in _cuda_boards())}); for "
+                         f"{profile.name} use --backend native")
     hosts = [profile.triple] + (["x86_64-linux-gnu"] if arch and profile.triple != "x86_64-linux-gnu" else [])
     libs, facts = {}, {}
     for i, host in enumerate(hosts):

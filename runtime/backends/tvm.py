@@ -41,8 +41,8 @@ def library_name(triple: str) -> str:
     return f"model-{triple.split('-')[0]}.so"
 
 
-class TvmUnavailable(ArtifactError):
-    """This machine cannot run the artifact (no GPU, driver, CUDA runtime or TVM runtime)."""
+class TvmUnavailable(ImportError):
+    """This machine lacks what the artifact needs (GPU, driver, CUDA runtime, TVM runtime): nothing a rebuild fixes."""
 
 
 _RT: dict = {}
@@ -122,7 +122,7 @@ def check_gpu(ffi, cuda_arch: str) -> str:
     need = cuda_arch.split("_")[1]
     hv, nv = tuple(map(int, have.split("."))), (int(need[:-1]), int(need[-1]))
     if hv < nv:
-        raise TvmUnavailable(f"this GPU is compute capability {have}; the artifact is built for {cuda_arch} "
+        raise ArtifactError(f"this GPU is compute capability {have}; the artifact is built for {cuda_arch} "
                              f"(needs >= {nv[0]}.{nv[1]}): rebuild for this board")
     if hv != nv:
         log.info("GPU compute capability %s: the artifact's compute_%s PTX is JIT-compiled (cached after the "
@@ -203,7 +203,7 @@ class TvmBackend:
         host = _host_triple()
         libs = info.get("libraries") or {}
         if host not in libs:
-            raise TvmUnavailable(f"this artifact has host code for {', '.join(libs) or 'nothing'}, not for this "
+            raise ArtifactError(f"this artifact has host code for {', '.join(libs) or 'nothing'}, not for this "
                                  f"{host} machine: rebuild it for this board")
         ffi = _load_runtime(cuda=bool(self.cuda_arch), cuda_major=int(info.get("cuda_runtime_major") or 13))
         self.ffi = ffi
