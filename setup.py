@@ -26,7 +26,7 @@ setup(
         "sign": SIGN,
         "build": BUILD,
         # tests run the real voice engines and audio devices too; tokenizers: the reference tests compare with
-        "dev": [*BUILD, *SERVE, "pytest>=7", "psutil>=5", "tokenizers>=0.20", "openai>=1.0"],
+        "dev": [*BUILD, *SERVE, "pytest>=7", "psutil>=5", "tokenizers>=0.20", "openai>=1.0", "apache-tvm==0.27.*"],
         "tvm": ["apache-tvm==0.27.*"],
         "voice": VOICE,
         "serve": SERVE,
