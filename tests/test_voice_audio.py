@@ -308,3 +308,30 @@ def test_live_speaker_sink_counts_per_reply_and_not_the_replys_end(pulse):
         assert sink.end_reply() is None  # nothing played since
     assert first["underruns"] == 0 and second["underruns"] == 1 and second["underrun_ms"] > 250, (first, second)
     assert len(firsts) == 2  # [speaking] once per reply
+
+
+def test_echo_gate_learns_the_users_level_and_silences_quieter_windows():
+    """runtime/voice/live.py EchoGate: nothing is gated until the user's level is known; then, while the bot
+    speaks, a window more than margin_db below it is passed on as silence (a canceller's residual echo)."""
+    from runtime.voice.live import EchoGate
+
+    rng = np.random.default_rng(0)
+
+    def at(db):
+        x = rng.standard_normal(VAD_WINDOW)
+        return (x / np.sqrt(np.mean(x ** 2)) * 10 ** (db / 20)).astype(np.float32)
+
+    silence = np.zeros(VAD_WINDOW, np.float32)
+    gate = EchoGate(margin_db=12, min_windows=16)
+    quiet = at(-40)
+    assert gate(quiet, silence) is quiet and gate.floor_db is None  # the user's level is not known yet
+    for _ in range(8):
+        gate.learn(at(-20))
+        gate.learn(silence)  # digital silence teaches nothing
+    assert gate.floor_db is None
+    for _ in range(8):
+        gate.learn(at(-20))
+    assert abs(gate.floor_db - (-32)) < 0.5
+    assert gate(quiet, silence) is silence and gate.gated == 1
+    loud = at(-25)
+    assert gate(loud, silence) is loud and gate.gated == 1

@@ -413,8 +413,10 @@ class Speaker(_Device):
 
     kind = "output"
 
-    def __init__(self, device=None, rate: int | None = None, block_ms: float = 10, buffer_s: float = 60.0):
+    def __init__(self, device=None, rate: int | None = None, block_ms: float = 10, buffer_s: float = 60.0,
+                 latency: float | str = "low"):
         super().__init__(device, rate, block_ms)
+        self.latency = latency  # PortAudio's suggested output latency (seconds, "low" or "high")
         self._ring = RingBuffer(int(buffer_s * 48000))
         self.stats["underrun_ms"] = 0.0  # silence inside streams (play(last=False) ... next play), ms
         self._more = False  # the caller said more audio follows (play(last=False)), until finish()/stop()
@@ -453,7 +455,7 @@ class Speaker(_Device):
         self.rate = rate
         self._wait_rate.set()
         return self._sd.OutputStream(device=idx, samplerate=rate, channels=1, dtype="float32",
-                                     blocksize=max(1, int(rate * self.block_ms / 1000)), latency="low",
+                                     blocksize=max(1, int(rate * self.block_ms / 1000)), latency=self.latency,
                                      callback=self._callback, finished_callback=self._finished)
 
     def play(self, audio: np.ndarray, rate: int = SAMPLE_RATE, last: bool = True) -> Chunk | None:

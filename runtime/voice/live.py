@@ -15,8 +15,9 @@ the speaker), devices lost and back, one line per turn (``print_turn``), an ``[a
 that had gaps, and the audio totals at the end.
 
 Echo: with ``VoiceConfig.barge_in`` the microphone must not hear the speaker: use an echo-cancelled
-source/sink pair (PulseAudio/PipeWire ``module-echo-cancel``, docs/voice_live.md). Without it (the default)
-the loop is half-duplex: what the microphone hears while the bot speaks is ignored.
+source/sink pair (PulseAudio/PipeWire ``module-echo-cancel``, docs/voice_live.md); what the canceller leaves
+is gated by level (EchoGate). Without barge-in (the default) the loop is half-duplex: what the microphone
+hears while the bot speaks is ignored.
 """
 from __future__ import annotations
 
@@ -67,6 +68,46 @@ class SpeakerSink:
                 "xruns": s["xruns"] - base["xruns"], "reconnects": s["reconnects"] - base["reconnects"]}
 
 
+class EchoGate:
+    """A residual-echo gate for barge-in. An echo canceller leaves some of the bot's voice in the microphone,
+    quiet but speech-like: the VAD calls it speech (measured through PulseAudio's webrtc canceller: up to 8
+    windows in a row, more than barge-in's 0.15 s). While the bot speaks, a window quieter than the user's own
+    speech by more than ``margin_db`` is passed on as silence. The user's level is learned from their turns
+    (the 75th percentile of the window levels while they speak, no bot audio then); until ``min_windows``
+    are known nothing is gated."""
+
+    def __init__(self, margin_db: float = 12.0, min_windows: int = 16, keep: int = 600):
+        self.margin_db = margin_db
+        self.min_windows = min_windows
+        self._levels = np.full(keep, np.nan)  # dBFS of windows heard during the user's turns (a ring)
+        self._n = 0
+        self.gated = 0  # windows passed on as silence
+
+    @staticmethod
+    def level_db(window: np.ndarray) -> float:
+        return float(10 * np.log10(np.mean(np.square(window, dtype=np.float64)) + 1e-12))
+
+    def learn(self, window: np.ndarray) -> None:
+        db = self.level_db(window)
+        if db > -70:  # digital silence says nothing about the user's voice
+            self._levels[self._n % len(self._levels)] = db
+            self._n += 1
+
+    @property
+    def floor_db(self) -> float | None:
+        """Windows below this (dBFS) are echo while the bot speaks; None until the user's level is known."""
+        if self._n < self.min_windows:
+            return None
+        return float(np.nanpercentile(self._levels, 75)) - self.margin_db
+
+    def __call__(self, window: np.ndarray, silence: np.ndarray) -> np.ndarray:
+        floor = self.floor_db
+        if floor is not None and self.level_db(window) < floor:
+            self.gated += 1
+            return silence
+        return window
+
+
 class LiveVoice:
     """A VoiceLoop on live devices. After ``run()`` starts: ``loop`` (its turns and history), ``sink``,
     ``mic``, ``speaker``; ``audio`` maps a turn's index to its reply's audio counters; ``events`` lists
@@ -80,6 +121,7 @@ class LiveVoice:
         self.status = status
         self.loop = self.sink = self.mic = self.speaker = None
         self.audio: dict[int, dict] = {}
+        self.echo_gate = EchoGate()  # used with barge-in only
         self.events: list[tuple[float, str]] = []
         self.ready = threading.Event()  # set once the loop takes windows
         self._shown = 0  # turns printed
@@ -147,8 +189,12 @@ class LiveVoice:
                     self._watch(spk, "speaker", t_start)
                     got = mic.read(timeout=0.1)
                     if got is not None:
-                        t_last = got[1]
-                        loop.process(*got)
+                        window, t_last = got
+                        if loop.state == VoiceLoop.REPLY and self.config.barge_in:
+                            window = self.echo_gate(window, silence)
+                        loop.process(window, t_last)
+                        if loop.state == VoiceLoop.SPEECH:
+                            self.echo_gate.learn(got[0])
                     elif not mic.connected.is_set():  # keep the turn logic going on silence, on the clock
                         now = time.monotonic()
                         while t_last + WINDOW_S <= now:
@@ -162,7 +208,8 @@ class LiveVoice:
                 s, m = spk.stats, mic.stats
                 self._say(f"[audio overall: {len(loop.turns)} turns, {s['underruns']} underruns "
                           f"({s['underrun_ms']:.0f} ms of gaps), xruns: speaker {s['xruns']} microphone "
-                          f"{m['xruns']}, reconnects: microphone {m['reconnects']} speaker {s['reconnects']}]")
+                          f"{m['xruns']}, reconnects: microphone {m['reconnects']} speaker {s['reconnects']}"
+                          + (f", echo gate: {self.echo_gate.gated} windows]" if self.config.barge_in else "]"))
                 log.info("audio: microphone %s, speaker %s", m, s)
         return 0
 
