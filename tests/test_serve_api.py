@@ -335,3 +335,41 @@ def test_cli_serve_reloads_on_sighup_and_exits_0_on_sigterm(artifact, tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_systemd_notify_ready_watchdog_and_stopping(artifact, tmp_path):
+    """Under systemd (NOTIFY_SOCKET, WATCHDOG_USEC): READY=1 once warm, WATCHDOG=1 pings while idle (the
+    worker's idle ticks beat), STOPPING=1 on SIGTERM, exit 0."""
+    import os
+    import signal
+    import sys
+
+    pytest.importorskip("runtime.serve.systemd", reason="runtime/serve/systemd.py not there yet")
+    addr = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(addr)
+    sock.settimeout(120)
+    env = {**os.environ, "NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "4000000"}
+    env.pop("WATCHDOG_PID", None)
+    p = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--no-audio", "--api", "127.0.0.1:0",
+                          "--artifact", str(artifact)], env=env, stderr=subprocess.DEVNULL,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        got = []
+        while not any("READY=1" in m for m in got):
+            got.append(sock.recv(4096).decode())
+        t0 = time.monotonic()
+        pings = 0
+        sock.settimeout(5)
+        while time.monotonic() - t0 < 3.5:
+            pings += "WATCHDOG=1" in sock.recv(4096).decode()
+        assert pings >= 2  # one per interval/4 = 1 s while beats are fresh
+        p.send_signal(signal.SIGTERM)
+        rest = []
+        while not any("STOPPING=1" in m for m in rest):
+            rest.append(sock.recv(4096).decode())
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        sock.close()
