@@ -696,5 +696,7 @@ def _mid_line() -> bool:
         return False
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m runtime.cli: run the imported module, whose CliError the command modules raise
+    from runtime.cli import main as _main
+
+    sys.exit(_main())
