@@ -18,6 +18,10 @@ def cmd_voice(args) -> int:
 
     if args.input_wav is None and (args.output_wav or args.report_json):
         raise CliError("--output-wav and --report-json are for file mode: give --input-wav too")
+    if args.input_wav is not None:  # before minutes of loading: a typo is one line at once
+        from runtime.voice.filemode import read_wav
+
+        read_wav(args.input_wav)
     if args.threads is None:
         args.threads = 1  # ASR and TTS run beside the LLM: 2 OpenMP threads on 2 busy cores stall (measured)
     cfg = VoiceConfig(system=args.system, max_new_tokens=args.max_new_tokens, hangover_s=args.hangover_ms / 1e3,
