@@ -294,3 +294,135 @@ def attn_rows(H: int, KVH: int, D: int, W: int, NT: int = 256):
                         out[t, h * D + tx] = acc[0] / den[0]
 
     return attn_rows
+
+
+# Q4_1 GEMV kernels for the decode step: one warp per output row (8 rows per 256-thread block), each lane
+# dequantizing whole 32-bit words (8 nibbles) of its row; the input vector is staged once per block in shared
+# memory with its prologue applied (RMSNorm, or SiLU(gate) * up) and the residual is added in the epilogue.
+
+def rms_gemv(N: int, K: int, eps: float, NT: int = 256):
+    """(x (1, K), norm weight (K,), qs (N, K/8) uint32, d, m (N, K/32) f16) -> (1, N) = W @ rmsnorm(x): the norm
+    and the GEMV in one launch."""
+    from tvm.script import tirx as T
+
+    RPB, NW = NT // 32, K // 8
+    WI, KI = (NW + 31) // 32, (K + NT - 1) // NT
+    LOG_NT = NT.bit_length() - 1
+    assert N % RPB == 0 and K % 32 == 0 and 1 << LOG_NT == NT
+
+    @T.prim_func(private=True, s_tir=True)
+    def rms_gemv(var_x: T.handle, var_nw: T.handle, var_qs: T.handle, var_d: T.handle, var_m: T.handle,
+                 var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        x = T.match_buffer(var_x, (1, K), "float32")
+        nw = T.match_buffer(var_nw, (K,), "float32")
+        qs = T.match_buffer(var_qs, (N, NW), "uint32")
+        d = T.match_buffer(var_d, (N, K // 32), "float16")
+        m = T.match_buffer(var_m, (N, K // 32), "float16")
+        out = T.match_buffer(var_out, (1, N), "float32")
+        for b in T.thread_binding(T.int64(N // RPB), thread="blockIdx.x"):
+            for tx in T.thread_binding(T.int64(NT), thread="threadIdx.x"):
+                with T.sblock("gemv"):
+                    T.reads()
+                    T.writes()
+                    xs = T.sblock_alloc_buffer((K,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    ss = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    ss[0] = T.float32(0)
+                    for i in T.serial(T.int64(KI)):
+                        if i * NT + tx < K:
+                            ss[0] = ss[0] + x[0, i * NT + tx] * x[0, i * NT + tx]
+                    red[tx] = ss[0]
+                    for k in T.unroll(T.int64(LOG_NT)):
+                        T.tvm_storage_sync("shared")
+                        ss[0] = red[tx] + red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))]
+                        T.tvm_storage_sync("shared")
+                        red[tx] = ss[0]
+                    for i in T.serial(T.int64(KI)):
+                        if i * NT + tx < K:
+                            xs[i * NT + tx] = x[0, i * NT + tx] / T.sqrt(ss[0] / T.float32(K) + T.float32(eps)) \
+                                * nw[i * NT + tx]
+                    T.tvm_storage_sync("shared")
+                    n: T.let[T.int64] = b * RPB + tx // 32
+                    lane: T.let[T.int64] = tx % 32
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(WI)):
+                        if it * 32 + lane < NW:
+                            for e in T.unroll(T.int64(8)):
+                                acc[0] = acc[0] + xs[(it * 32 + lane) * 8 + e] * (
+                                    T.Cast("float32", d[n, (it * 32 + lane) // 4]) * T.Cast(
+                                        "float32", T.bitwise_and(T.shift_right(qs[n, it * 32 + lane], T.Cast(
+                                            "uint32", e * 4)), T.uint32(15)))
+                                    + T.Cast("float32", m[n, (it * 32 + lane) // 4]))
+                    T.tvm_storage_sync("shared")
+                    red[tx] = acc[0]
+                    for k in T.unroll(T.int64(5)):  # butterfly inside each warp's 32 lanes
+                        T.tvm_storage_sync("shared")
+                        acc[0] = red[tx] + red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))]
+                        T.tvm_storage_sync("shared")
+                        red[tx] = acc[0]
+                    if lane == 0:
+                        out[0, n] = acc[0]
+
+    return rms_gemv
+
+
+def gemv_add(N: int, K: int, swiglu: bool, NT: int = 256):
+    """(x (1, K) or, with swiglu, gate|up (1, 2K); residual (1, N); qs, d, m) -> (1, N) = residual + W @ x'
+    where x' = x, or silu(gate) * up: the activation, the GEMV and the residual add in one launch."""
+    from tvm.script import tirx as T
+
+    RPB, NW = NT // 32, K // 8
+    WI, KI = (NW + 31) // 32, (K + NT - 1) // NT
+    XK = 2 * K if swiglu else K
+    assert N % RPB == 0 and K % 32 == 0
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_add(var_x: T.handle, var_res: T.handle, var_qs: T.handle, var_d: T.handle, var_m: T.handle,
+                 var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        x = T.match_buffer(var_x, (1, XK), "float32")
+        res = T.match_buffer(var_res, (1, N), "float32")
+        qs = T.match_buffer(var_qs, (N, NW), "uint32")
+        d = T.match_buffer(var_d, (N, K // 32), "float16")
+        m = T.match_buffer(var_m, (N, K // 32), "float16")
+        out = T.match_buffer(var_out, (1, N), "float32")
+        for b in T.thread_binding(T.int64(N // RPB), thread="blockIdx.x"):
+            for tx in T.thread_binding(T.int64(NT), thread="threadIdx.x"):
+                with T.sblock("gemv"):
+                    T.reads()
+                    T.writes()
+                    xs = T.sblock_alloc_buffer((K,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    for i in T.serial(T.int64(KI)):
+                        if i * NT + tx < K:
+                            if swiglu:
+                                xs[i * NT + tx] = x[0, i * NT + tx] / (T.float32(1) + T.exp(-x[0, i * NT + tx])) \
+                                    * x[0, K + i * NT + tx]
+                            else:
+                                xs[i * NT + tx] = x[0, i * NT + tx]
+                    T.tvm_storage_sync("shared")
+                    n: T.let[T.int64] = b * RPB + tx // 32
+                    lane: T.let[T.int64] = tx % 32
+                    acc[0] = T.float32(0)
+                    for it in T.serial(T.int64(WI)):
+                        if it * 32 + lane < NW:
+                            for e in T.unroll(T.int64(8)):
+                                acc[0] = acc[0] + xs[(it * 32 + lane) * 8 + e] * (
+                                    T.Cast("float32", d[n, (it * 32 + lane) // 4]) * T.Cast(
+                                        "float32", T.bitwise_and(T.shift_right(qs[n, it * 32 + lane], T.Cast(
+                                            "uint32", e * 4)), T.uint32(15)))
+                                    + T.Cast("float32", m[n, (it * 32 + lane) // 4]))
+                    T.tvm_storage_sync("shared")
+                    red[tx] = acc[0]
+                    for k in T.unroll(T.int64(5)):
+                        T.tvm_storage_sync("shared")
+                        acc[0] = red[tx] + red[T.bitwise_xor(tx, T.shift_left(T.int64(1), k))]
+                        T.tvm_storage_sync("shared")
+                        red[tx] = acc[0]
+                    if lane == 0:
+                        out[0, n] = res[0, n] + acc[0]
+
+    return gemv_add

@@ -235,6 +235,10 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int], cuda: bool = False):
         post_kernel, post_rows_kernel = qkv_post(H, KVH, D), qkv_post_rows(H, KVH, D)
         attn_kernels = {w: attn_decode(H, KVH, D, w) for w in windows}
         attn_rows_kernel = attn_rows(H, KVH, D, max_ctx)
+        from .tvm_kernels import gemv_add, rms_gemv
+
+        gemv_kernels = {"qkv": rms_gemv((H + 2 * KVH) * D, C, eps), "o": gemv_add(C, H * D, False),
+                        "gate_up": rms_gemv(2 * F, C, eps), "down": gemv_add(C, F, True)}
 
     # ---- the module -----------------------------------------------------------------------------------
     class Q4Linear(nn.Module):
@@ -284,25 +288,35 @@ def build_ir(d: Dims, max_ctx: int, windows: list[int], cuda: bool = False):
         def step(self, h, cos, sin, kv, sc, pos, window: int):
             """One token at position pos[0] (a device tensor: every shape static, so the whole step can be
             captured in one CUDA graph); attention scans the first `window` cache rows, masked beyond pos."""
-            x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.attn_norm])
-            qkv = self.qkv(x)
-            if cuda:  # hand-scheduled kernels (models/tvm_kernels.py): RoPE + int8 quantize + write, attention
+            if cuda:  # hand-scheduled kernels (models/tvm_kernels.py): 6 launches per layer
+                qkv = op.tensor_ir_op(gemv_kernels["qkv"], "rms_gemv_qkv",
+                                      [h, self.attn_norm, self.qkv.qs, self.qkv.d, self.qkv.m],
+                                      nn.Tensor.placeholder((1, (H + 2 * KVH) * D), f32))
                 q, kv, sc = op.tensor_ir_inplace_op(
                     post_kernel, "qkv_post", [qkv, cos, sin, pos, kv, sc], [-1, 4, 5],
                     [nn.Tensor.placeholder((1, H, D), f32), nn.Tensor.placeholder(kv.shape, "int8"),
                      nn.Tensor.placeholder(sc.shape, f32)])
                 ctx = op.tensor_ir_op(attn_kernels[window], f"attn_decode{window}", [q, kv, sc, pos],
                                       nn.Tensor.placeholder((1, H * D), f32))
-            else:
-                q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, pos])
-                codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, pos])
-                kv, sc = op.tensor_ir_inplace_op(kv_write_at, "kv_write_at", [kv, sc, codes, scales, pos], [0, 1],
-                                                 [nn.Tensor.placeholder(kv.shape, "int8"),
-                                                  nn.Tensor.placeholder(sc.shape, f32)])
-                sco = op.tensor_expr_op(functools.partial(dec_scores, W=window), f"dec_scores{window}",
-                                        [q, kv, sc, pos])
-                pr = op.tensor_expr_op(softmax, "softmax", [sco])
-                ctx = op.tensor_expr_op(dec_pv, "dec_pv", [pr, kv, sc])
+                h = op.tensor_ir_op(gemv_kernels["o"], "gemv_add_o", [ctx, h, self.o.qs, self.o.d, self.o.m],
+                                    nn.Tensor.placeholder((1, C), f32))
+                gu = op.tensor_ir_op(gemv_kernels["gate_up"], "rms_gemv_gate_up",
+                                     [h, self.ffn_norm, self.gate_up.qs, self.gate_up.d, self.gate_up.m],
+                                     nn.Tensor.placeholder((1, 2 * F), f32))
+                h = op.tensor_ir_op(gemv_kernels["down"], "gemv_add_down",
+                                    [gu, h, self.down.qs, self.down.d, self.down.m], nn.Tensor.placeholder((1, C), f32))
+                return h, kv, sc
+            x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.attn_norm])
+            qkv = self.qkv(x)
+            q = op.tensor_expr_op(rope_q, "rope_q", [qkv, cos, sin, pos])
+            codes, scales = op.tensor_expr_op(kv_quant, "kv_quant", [qkv, cos, sin, pos])
+            kv, sc = op.tensor_ir_inplace_op(kv_write_at, "kv_write_at", [kv, sc, codes, scales, pos], [0, 1],
+                                             [nn.Tensor.placeholder(kv.shape, "int8"),
+                                              nn.Tensor.placeholder(sc.shape, f32)])
+            sco = op.tensor_expr_op(functools.partial(dec_scores, W=window), f"dec_scores{window}",
+                                    [q, kv, sc, pos])
+            pr = op.tensor_expr_op(softmax, "softmax", [sco])
+            ctx = op.tensor_expr_op(dec_pv, "dec_pv", [pr, kv, sc])
             h = op.tensor_expr_op(add, "add", [h, self.o(ctx)])
             x = op.tensor_expr_op(rms_norm, "rms_norm", [h, self.ffn_norm])
             return op.tensor_expr_op(add, "add", [h, self.down.swiglu_forward(self.gate_up(x))]), kv, sc
