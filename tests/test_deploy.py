@@ -89,6 +89,33 @@ def test_dry_run_of_an_onnxruntime_artifact_ships_its_backend(tiny_artifacts, bo
     assert rc == 0 and "boardtalk-*.whl[onnxruntime]" in err and "boardtalk[onnxruntime]" in err
 
 
+def test_verify_takes_a_tarball(tiny_artifacts, tmp_path, capsys):
+    """A build-only run's tarball verifies as its directory does (unpacked once into the cache)."""
+    from models.deploy_steps import pack_tarball
+
+    tar = pack_tarball(tiny_artifacts["native"], tmp_path / "tiny.tar.gz")
+    rc, out, _ = _run_cli(["verify", "--artifact", str(tar), "--json"], capsys)
+    rc2, out2, _ = _run_cli(["verify", "--artifact", str(tiny_artifacts["native"]), "--json"], capsys)
+    assert rc == rc2 == 0 and json.loads(out)["token_ids"] == json.loads(out2)["token_ids"]
+    assert json.loads(out)["manifest_sha256"] == json.loads(out2)["manifest_sha256"]
+
+
+@pytest.mark.parametrize("here,there,transfer,want", [
+    (True, True, "auto", True), (True, False, "auto", False), (False, True, "auto", False),
+    (True, True, "tar", False), (True, False, "rsync", "missing on pi@b"), (False, True, "rsync", "missing here"),
+])
+def test_rsync_when_both_sides_have_it(monkeypatch, here, there, transfer, want):
+    import models.deploy as d
+
+    monkeypatch.setattr(d.shutil, "which", lambda name: "/usr/bin/rsync" if here else None)
+    opts = d.DeployOptions(board="pi5", to=parse_target("pi@b"), transfer=transfer)
+    if isinstance(want, str):
+        with pytest.raises(d.DeployError, match=want):
+            d._use_rsync(opts, {"rsync": there})
+    else:
+        assert d._use_rsync(opts, {"rsync": there}) is want
+
+
 GOOD_BOARD = {"python": [3, 11, 2], "machine": "aarch64", "glibc": "2.36", "rsync": True, "systemctl": True,
               "gomp": True, "bits": 64, "home": "/home/pi"}
 
