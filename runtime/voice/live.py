@@ -41,6 +41,7 @@ class SpeakerSink:
         self.speaker = speaker
         self.on_first_audio = on_first_audio  # called when a reply's first chunk is queued
         self.stops: list[float] = []  # monotonic seconds of each stop() call (barge-in)
+        self.replies: list[dict] = []  # the audio counters of each reply that played something (end_reply)
         self._base: dict | None = None  # speaker.stats when the reply's first chunk was queued
 
     def __call__(self, audio, rate: int, t: float) -> float:
@@ -56,16 +57,18 @@ class SpeakerSink:
         return time.monotonic()
 
     def end_reply(self) -> dict | None:
-        """The reply is over: its audio counters (None when it played nothing). Underruns are gaps between
-        two chunks of the reply, not its end."""
+        """The reply is over: its audio counters, also appended to ``replies`` (None when it played nothing;
+        calling it twice is harmless). Underruns are gaps between two chunks of the reply, not its end: a
+        caller that never calls this gets every reply's end counted as one at the next reply."""
         self.speaker.finish()
         base, self._base = self._base, None
         if base is None:
             return None
         s = self.speaker.stats
-        return {"underruns": s["underruns"] - base["underruns"],
-                "underrun_ms": round(s["underrun_ms"] - base["underrun_ms"], 1),
-                "xruns": s["xruns"] - base["xruns"], "reconnects": s["reconnects"] - base["reconnects"]}
+        self.replies.append({"underruns": s["underruns"] - base["underruns"],
+                             "underrun_ms": round(s["underrun_ms"] - base["underrun_ms"], 1),
+                             "xruns": s["xruns"] - base["xruns"], "reconnects": s["reconnects"] - base["reconnects"]})
+        return self.replies[-1]
 
 
 class EchoGate:
@@ -125,6 +128,7 @@ class LiveVoice:
         self.events: list[tuple[float, str]] = []
         self.ready = threading.Event()  # set once the loop takes windows
         self._shown = 0  # turns printed
+        self._replies = 0  # sink.replies already given to a turn
         self._state = None
         self._up: dict[str, bool | None] = {}
 
@@ -136,9 +140,10 @@ class LiveVoice:
         from .pipeline import VoiceLoop
 
         if self._state == VoiceLoop.REPLY and state != VoiceLoop.REPLY:
-            audio = self.sink.end_reply()
-            if audio is not None and self.loop.turns:
-                self.audio[len(self.loop.turns) - 1] = audio
+            self.sink.end_reply()  # (if the loop itself ended it already, this is a no-op)
+            if len(self.sink.replies) > self._replies and self.loop.turns:
+                self.audio[len(self.loop.turns) - 1] = self.sink.replies[-1]
+            self._replies = len(self.sink.replies)
         self._state = state
         self._say(f"[{STATES.get(state, state)}]")
         if state == VoiceLoop.IDLE:
