@@ -78,6 +78,7 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
     PARTS = NT // D
     ITER = (W + NT - 1) // NT
     PV_ITER = (W + PARTS - 1) // PARTS
+    PV_U = 8 if PV_ITER % 8 == 0 else 1
     LOG_NT = NT.bit_length() - 1
     assert 1 << LOG_NT == NT
     qscale = 1.0 / float(D) ** 0.5
@@ -113,7 +114,7 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
                     for it in T.serial(T.int64(ITER)):
                         if it * NT + tx < n:
                             acc[0] = T.float32(0)
-                            for d in T.serial(T.int64(D)):
+                            for d in T.unroll(T.int64(D)):  # unrolled: the row's loads issue back to back
                                 acc[0] = acc[0] + q_sh[d] * T.Cast("float32", kv[it * NT + tx, kh, d])
                             sv[it] = acc[0] * sc[it * NT + tx, kh] * T.float32(qscale)
                             mx[0] = T.max(mx[0], sv[it])
@@ -136,11 +137,12 @@ def attn_decode(H: int, KVH: int, D: int, W: int, NT: int = 256):
                         T.tvm_storage_sync("shared")
                         red[tx] = den[0]
                     acc[0] = T.float32(0)
-                    for it in T.serial(T.int64(PV_ITER)):
-                        if it * PARTS + tx // D < n:
-                            acc[0] = acc[0] + s_sh[it * PARTS + tx // D] * (
-                                T.Cast("float32", kv[it * PARTS + tx // D, KVH + kh, tx % D])
-                                * sc[it * PARTS + tx // D, KVH + kh])
+                    for io in T.serial(T.int64(PV_ITER // PV_U)):
+                        for iu in T.unroll(T.int64(PV_U)):  # unrolled: PV_U positions' loads in flight at once
+                            if (io * PV_U + iu) * PARTS + tx // D < n:
+                                acc[0] = acc[0] + s_sh[(io * PV_U + iu) * PARTS + tx // D] * (
+                                    T.Cast("float32", kv[(io * PV_U + iu) * PARTS + tx // D, KVH + kh, tx % D])
+                                    * sc[(io * PV_U + iu) * PARTS + tx // D, KVH + kh])
                     T.tvm_storage_sync("shared")
                     red[tx] = acc[0]
                     T.tvm_storage_sync("shared")
@@ -220,6 +222,7 @@ def attn_rows(H: int, KVH: int, D: int, W: int, NT: int = 256):
     PARTS = NT // D
     ITER = (W + NT - 1) // NT
     PV_ITER = (W + PARTS - 1) // PARTS
+    PV_U = 8 if PV_ITER % 8 == 0 else 1
     LOG_NT = NT.bit_length() - 1
     assert 1 << LOG_NT == NT
     qscale = 1.0 / float(D) ** 0.5
@@ -256,7 +259,7 @@ def attn_rows(H: int, KVH: int, D: int, W: int, NT: int = 256):
                     for it in T.serial(T.int64(ITER)):
                         if it * NT + tx < n:
                             acc[0] = T.float32(0)
-                            for d in T.serial(T.int64(D)):
+                            for d in T.unroll(T.int64(D)):  # unrolled: the row's loads issue back to back
                                 acc[0] = acc[0] + q_sh[d] * T.Cast("float32", kv[it * NT + tx, kh, d])
                             sv[it] = acc[0] * sc[it * NT + tx, kh] * T.float32(qscale)
                             mx[0] = T.max(mx[0], sv[it])
@@ -279,11 +282,12 @@ def attn_rows(H: int, KVH: int, D: int, W: int, NT: int = 256):
                         T.tvm_storage_sync("shared")
                         red[tx] = den[0]
                     acc[0] = T.float32(0)
-                    for it in T.serial(T.int64(PV_ITER)):
-                        if it * PARTS + tx // D < n:
-                            acc[0] = acc[0] + s_sh[it * PARTS + tx // D] * (
-                                T.Cast("float32", kv[it * PARTS + tx // D, KVH + kh, tx % D])
-                                * sc[it * PARTS + tx // D, KVH + kh])
+                    for io in T.serial(T.int64(PV_ITER // PV_U)):
+                        for iu in T.unroll(T.int64(PV_U)):  # unrolled: PV_U positions' loads in flight at once
+                            if (io * PV_U + iu) * PARTS + tx // D < n:
+                                acc[0] = acc[0] + s_sh[(io * PV_U + iu) * PARTS + tx // D] * (
+                                    T.Cast("float32", kv[(io * PV_U + iu) * PARTS + tx // D, KVH + kh, tx % D])
+                                    * sc[(io * PV_U + iu) * PARTS + tx // D, KVH + kh])
                     T.tvm_storage_sync("shared")
                     red[tx] = acc[0]
                     T.tvm_storage_sync("shared")
