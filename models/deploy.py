@@ -355,6 +355,7 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
 
     def switch() -> str:
         remote(opts, "switch", switch_script(d, st.name), timeout=120)
+        st.verify["artifact"] = f"{d}/artifacts/{st.name}"  # verified as NAME.new: the same files, now live
         return f"{d}/artifacts/{st.name} is live; {d}/current -> it"
 
     steps.append(Step("switch", "NAME.new becomes NAME by renames (a running service keeps its mapped files); "
