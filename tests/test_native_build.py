@@ -370,3 +370,13 @@ def test_the_board_side_loads_kernels_without_models(here_lib):
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_check_cpu_on_the_artifacts_own_board_does_not_say_rebuild_for_it(monkeypatch):
+    """Deploy review: a pi5 artifact on a Cortex-A53 (no dotprod, detected as pi5) was told to rebuild with
+    --board pi5, which is what it already was."""
+    monkeypatch.setattr(native, "_this_board", lambda: "pi5")
+    with pytest.raises(native.NativeError) as e:
+        native.check_cpu([*native.cpu_features(), "dotprod-x"], "bt_native-pi5.so", board="pi5")
+    msg = str(e.value)
+    assert "not the one the pi5 profile describes" in msg and "--board pi5" not in msg and "\n" not in msg

@@ -127,7 +127,7 @@ class NativeBackend:
         self.data = np.memmap(weights, dtype=np.uint8, mode="r")
         self._check_index(meta.get("tensors"), tensor_spec(arch), weights.name)
         kern = manifest.kernels
-        check_cpu(kern.cpu_features, kern.file)
+        check_cpu(kern.cpu_features, kern.file, manifest.target.board)
         self.lib = load_library(art_dir / kern.file)
         self.cos, self.sin = rope_tables(arch, manifest.max_context)
         base, tensors, L = self.data.ctypes.data, meta["tensors"], arch.n_layers

@@ -105,14 +105,23 @@ def _this_board() -> str:
         return "<this board>"
 
 
-def check_cpu(required: Iterable[str], what: str) -> None:
-    """Raise NativeError naming the features `what` (a library's name) needs that this CPU lacks."""
+def check_cpu(required: Iterable[str], what: str, board: str | None = None) -> None:
+    """Raise NativeError naming the features `what` (a library's name, built for `board`) needs that this CPU
+    lacks. When the artifact was built for this board's profile, rebuilding for it would not help: the CPU
+    is not the one the profile describes."""
     have = cpu_features()
     missing = sorted(set(required) - have)
-    if missing:
-        raise NativeError(f"{what} needs CPU features {', '.join(missing)}, which this CPU lacks "
-                          f"(has {', '.join(sorted(have)) or 'none of those we check'}); rebuild the artifact with "
-                          f"--board {_this_board()} or use --backend onnxruntime")
+    if not missing:
+        return
+    here = _this_board()
+    msg = (f"{what} needs CPU features {', '.join(missing)}, which this CPU lacks "
+           f"(has {', '.join(sorted(have)) or 'none of those we check'}); ")
+    if board is not None and board == here:
+        msg += (f"this CPU is not the one the {board} profile describes: use --backend onnxruntime, or run "
+                "with $BOARDTALK_BOARD set to the board this really is")
+    else:
+        msg += f"rebuild the artifact with --board {here} or use --backend onnxruntime"
+    raise NativeError(msg)
 
 
 def check_arch(path: Path) -> None:
