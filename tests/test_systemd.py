@@ -314,3 +314,17 @@ def test_a_long_generation_feeds_the_watchdog_and_a_hung_step_starves_it(tmp_pat
         sched.stop(1.0)
         wd.stop()
         s.close()
+
+
+def test_entry_point_is_the_deployed_launcher_when_one_runs_us(tmp_path, monkeypatch):
+    """Deploy review: install-service on a deployed board wrote ExecStart=python -m runtime.cli, whose
+    PYTHONPATH lacks the deployed runtime; the launcher exports $BOARDTALK_LAUNCHER and must be used."""
+    launcher = tmp_path / "bin" / "boardtalk"
+    launcher.parent.mkdir()
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o755)
+    monkeypatch.setenv("BOARDTALK_LAUNCHER", str(launcher))
+    argv, _ = systemd.entry_point()
+    assert argv[0] == str(launcher) and argv[1:] == ["serve", "--config", systemd.CONFIG_PATH]
+    monkeypatch.setenv("BOARDTALK_LAUNCHER", "relative/boardtalk")  # not absolute: ignored
+    assert systemd.entry_point()[0][0] != "relative/boardtalk"

@@ -269,11 +269,16 @@ def render_unit(o: UnitOptions) -> str:
 
 # -- boardtalk install-service ---------------------------------------------------------------------------------
 def entry_point() -> tuple[list[str], list[str]]:
-    """(ExecStart argv, paths to bind read-only): the ``boardtalk`` script beside this Python (a venv's bin/,
-    not resolved through its symlinks), else this Python with -m runtime.cli. Paths under /home or /root are
+    """(ExecStart argv, paths to bind read-only): $BOARDTALK_LAUNCHER (a deployed board's launcher), else the
+    ``boardtalk`` script beside this Python (a venv's bin/, not resolved through its symlinks), else this
+    Python with -m runtime.cli. Paths under /home or /root are
     hidden by ProtectHome=, so the venv (and an editable checkout) are bound back read-only."""
+    launcher = os.environ.get("BOARDTALK_LAUNCHER")  # set by the launcher 'boardtalk deploy' writes on a board
     script = Path(sys.executable).with_name("boardtalk")
-    argv = [str(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "runtime.cli"]
+    if launcher and os.path.isabs(launcher) and os.access(launcher, os.X_OK):
+        argv = [launcher]  # it sets PYTHONPATH to the deployed runtime; bare python -m would not find it
+    else:
+        argv = [str(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "runtime.cli"]
     argv += ["serve", "--config", CONFIG_PATH]
     import runtime
 
