@@ -187,6 +187,22 @@ def test_tvm_build_refuses_other_schemes(tiny_gguf, tmp_path):
         build_artifact(str(tiny_gguf), tmp_path / "x", board="host", backend="tvm", scheme="rtn-int4")
 
 
+@pytest.mark.parametrize("windows", [[64, 128], [128, 64], ["128"], []])
+def test_edited_decode_windows_are_refused(tvm_cpu_artifact, tmp_path, windows):
+    """A manifest naming decode functions the library lacks is one ArtifactError line, not a TVM crash."""
+    import yaml
+
+    from runtime.artifact import ArtifactError
+
+    dst = tmp_path / "a"
+    shutil.copytree(tvm_cpu_artifact, dst)
+    d = yaml.safe_load((dst / "manifest.yaml").read_text())
+    d["tvm"]["decode_windows"] = windows
+    (dst / "manifest.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ArtifactError, match="decode_windows|no function decode64"):
+        runtime.load(dst)
+
+
 def test_manifest_without_tvm_libraries_is_refused(tvm_cpu_artifact, tmp_path):
     import yaml
 

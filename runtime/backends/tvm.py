@@ -232,9 +232,19 @@ class TvmBackend:
         del data
         try:
             self.lib = ffi.load_module(str(art_dir / libs[host]))
-            self.new_vm()  # the CUDA module loads here (the PTX JIT on a GPU newer than the artifact's arch)
+            vm = self.new_vm()  # the CUDA module loads here (the PTX JIT on a GPU newer than the artifact's arch)
         except Exception as e:  # noqa: BLE001 - TVM raises its own error types
             raise TvmUnavailable(f"{libs[host]}: TVM cannot load it ({(str(e).splitlines() or [''])[0][:200]})") from None
+        windows = info.get("decode_windows")
+        if not (isinstance(windows, list) and windows and all(isinstance(w, int) and not isinstance(w, bool)
+                                                                for w in windows) and windows == sorted(set(windows))):
+            raise ArtifactError(f"manifest tvm.decode_windows {windows!r:.60} is not an ascending list of ints")
+        for name in ["prefill"] + [f"decode{w}" for w in windows]:
+            try:
+                vm[name]
+            except Exception:  # noqa: BLE001 - a function the library does not have
+                raise ArtifactError(f"{libs[host]} has no function {name}: the manifest was edited or belongs to "
+                                    "another artifact") from None
         self.max_seq = manifest.max_context
         self.cache_rows, self.windows = info.get("cache_rows"), info.get("decode_windows")
         if self.cache_rows != self.max_seq or not self.windows or self.windows[-1] != self.cache_rows:
