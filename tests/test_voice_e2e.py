@@ -428,7 +428,7 @@ def test_boardtalk_voice_live_shows_states_and_one_line_per_turn(pulse, tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli", "voice", "--artifact", str(real_artifacts["native"]),
          "--input", "virtual_mic", "--output", "speaker", "--system", SYSTEM, "--max-new-tokens", "32"],
-        cwd=ROOT, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
@@ -450,8 +450,10 @@ def test_boardtalk_voice_live_shows_states_and_one_line_per_turn(pulse, tmp_path
             rec.terminate()
             rec.wait(5)
     reader.join(5)
+    said = proc.stdout.read()  # the replies' text, one line per turn, as in file mode
     text = "".join(err)
-    print("MEASURED boardtalk voice said:\n" + text)
+    print("MEASURED boardtalk voice said:\n" + text + "\nstdout: " + said)
+    assert "london" in said.lower(), said
     assert rc == 0, text
     states = [line.strip() for line in err if line.startswith("[") and not line.startswith(("[you:", "[audio"))]
     assert states[:5] == ["[listening] speak; Ctrl-C quits", "[hearing you]", "[thinking]", "[speaking]",

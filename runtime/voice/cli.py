@@ -25,7 +25,7 @@ def cmd_voice(args) -> int:
     if args.threads is None:
         args.threads = 1  # ASR and TTS run beside the LLM: 2 OpenMP threads on 2 busy cores stall (measured)
     cfg = VoiceConfig(system=args.system, max_new_tokens=args.max_new_tokens, hangover_s=args.hangover_ms / 1e3,
-                      barge_in=args.barge_in)
+                      barge_in=args.barge_in, barge_in_s=args.barge_in_ms / 1e3)
     model = _load(args)
     print("loading the voice engines ...", file=sys.stderr)
     vad, asr, tts = (open_engine(k, getattr(args, k)) for k in ("vad", "asr", "tts"))
@@ -42,8 +42,12 @@ def cmd_voice(args) -> int:
         return 0
     from runtime.voice.live import run_live
 
-    return run_live(model, vad, asr, tts, cfg, args.input, args.output, print_turn=lambda tr: print(
-        _turn_line(tr.to_dict()), file=sys.stderr))
+    def print_turn(tr) -> None:  # as file mode: the turn's latencies on stderr, what was said on stdout
+        d = tr.to_dict()
+        print(_turn_line(d), file=sys.stderr)
+        print(d["reply_text"], flush=True)
+
+    return run_live(model, vad, asr, tts, cfg, args.input, args.output, print_turn=print_turn)
 
 
 def _turn_line(tr: dict) -> str:
@@ -77,6 +81,9 @@ def add_commands(sub) -> None:
     v.add_argument("--barge-in", action="store_true",
                    help="speech while the bot talks stops it (needs echo cancellation on a live device; file mode "
                         "has no echo) (default: off, half-duplex)")
+    v.add_argument("--barge-in-ms", type=_int_in(32, 2000), default=150, metavar="MS",
+                   help="voiced time during a reply that counts as the user interrupting, with --barge-in; longer "
+                        "ignores coughs and echo residue but reacts later (default: %(default)s)")
     for kind in ("vad", "asr", "tts"):
         v.add_argument(f"--{kind}", metavar="ENGINE",
                        help=f"{kind.upper()} engine (default: the registry's default; see runtime/voice/engines.py)")
