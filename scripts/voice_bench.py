@@ -13,9 +13,9 @@ and 0.8 s after, at real-time pace, through file mode (the full loop: Silero VAD
 the LLM, hibari TTS), once per loop variant, the variants interleaved clip by clip so that they share the
 machine's load:
 
-- ``boardtalk``: the defaults (adaptive hangover: 150 ms after a complete sentence, else 250 ms);
-- ``fixed-hangover``: the same with hangover_complete_s=None (always 250 ms): the A/B of the adaptation;
-- ``no-early-final``: the same with early_final=False (the final pass waits for a silent VAD window);
+- ``boardtalk``: the defaults (250 ms hangover; final pass started early on a quiet window tail);
+- ``adaptive-hangover``: the same with hangover_complete_s=0.15 (150 ms after a complete sentence): its A/B;
+- ``no-early-final``: the defaults with early_final=False (the final pass waits for a silent VAD window);
 - ``naive``: what a straightforward stack does, measured in the same run on the same clip: wait for the
   end of turn (the same VAD and 250 ms hangover), then Whisper on a mel padded to 30 s (faster-whisper's
   way), then the LLM on a fresh session (no partial prefill, no cached system prompt), then TTS of the
@@ -52,7 +52,7 @@ PAUSES_S = (0.2, 0.3)  # silence inside the paused questions (a user thinking mi
 HUMAN_DIR = Path("/usr/share/pocketsphinx/test/data")  # Debian package pocketsphinx-testdata (BSD-2)
 TARGETS = {"first_token": (100, 250), "first_audio": (300, 350)}  # ms after speech end: goal, must
 STAGES = ("final_start", "transcript", "first_token", "end_of_turn", "first_audio")
-VARIANTS = ("boardtalk", "fixed-hangover", "no-early-final", "naive")
+VARIANTS = ("boardtalk", "adaptive-hangover", "no-early-final", "naive")
 
 
 @dataclass
@@ -345,7 +345,7 @@ def main() -> int:
         if e is not None:
             e.warmup()
     base = dict(system="You are a friendly voice assistant. Answer in one short sentence.", max_new_tokens=48)
-    configs = {"boardtalk": VoiceConfig(**base), "fixed-hangover": VoiceConfig(**base, hangover_complete_s=None),
+    configs = {"boardtalk": VoiceConfig(**base), "adaptive-hangover": VoiceConfig(**base, hangover_complete_s=0.15),
                "no-early-final": VoiceConfig(**base, early_final=False), "naive": VoiceConfig(**base)}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
