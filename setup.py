@@ -8,7 +8,7 @@ SIGN = ["cryptography>=42"]  # Ed25519 signed artifacts: signing at build, check
 BUILD = ["onnx>=1.17", "gguf>=0.17", *ONNXRUNTIME, *SIGN]
 # The voice loop (runtime/voice/): PortAudio devices, a resampler (soxr: LGPL-2.1, dynamically linked), Silero
 # VAD and hibari TTS on onnxruntime, Whisper on CTranslate2; models from pinned PyPI wheels (runtime/voice/assets.py)
-VOICE = ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1"]
+VOICE = ["sounddevice>=0.4", "soxr>=0.3", *ONNXRUNTIME, "ctranslate2>=4.4", "hibari-tts==0.2.1", "jellyfish>=1.0"]
 SERVE = ["aiohttp>=3.9", "wyoming>=1.7", *VOICE]  # boardtalk serve: HTTP API (aiohttp), Wyoming server, voice loop
 
 setup(

@@ -118,8 +118,18 @@ def test_cli_refuses_a_bad_persona_in_one_line_before_loading_anything(tmp_path)
     ("Hey you, what color is the sky?", None),
     ("I told my sister that Coco said hey", None),  # the name, but not at the start
     ("", None),
+    ("Hey, co-co, hi", "hi"),  # split by the ASR
+    # near misses (Whisper's transcripts of espeak-ng saying them): they look like it but do not sound like it,
+    # or sound like it but do not look like it
+    ("Hey, look, a dog!", None),
+    ("Hey Coach, can we play?", None),
+    ("Hey, momo. What color is the sky?", None),
+    ("Hey, go get the ball.", None),
+    ("Hey Google, what time is it?", None),
 ])
 def test_match_wake(heard, question):
+    """Regression: matching on spelling alone (difflib ratio >= 0.75) woke the toy for "Hey, look, a dog!",
+    "Hey Coach" and "Hey, momo" (7 of 14 near misses); the phrase must now sound like it too."""
     assert match_wake(heard, "hey coco") == question
 
 

@@ -4,7 +4,8 @@
     match_wake("What color is the sky?", "hey coco")              -> None
 
 The phrase is looked for among the first words of what was heard (case, punctuation and small ASR slips
-ignored: "Hey, Koko" matches "hey coco"); the rest of the utterance after it is the question. There is no
+ignored: "Hey, Koko" matches "hey coco"; the words must both look and sound like it, so "Hey, look" and
+"Hey Coach" do not); the rest of the utterance after it is the question. There is no
 separate keyword-spotting model: the voice loop's own ASR hears the phrase, so a wake costs nothing extra,
 but every utterance is transcribed (and then dropped when it has no phrase: nothing is kept).
 
@@ -32,21 +33,41 @@ def _norm(words: list[str]) -> str:
     return " ".join(w.lower().replace("'", "") for w in words)
 
 
+def _metaphone():
+    try:
+        from jellyfish import metaphone
+    except ImportError:
+        raise ImportError("wake phrase matching needs jellyfish: pip install 'boardtalk[voice]'") from None
+    return metaphone
+
+
+def similarity(heard_words: list[str], phrase: str) -> float:
+    """How much the words heard look AND sound like the phrase, 0..1: the lower of difflib's ratio over the
+    lowercased words and over their Metaphone codes (the words joined, so that an ASR's splits and merges,
+    "Co co" / "Heycoco", still sound the same). Spelling alone lets "Hey, look" or "Hey Coach" pass for
+    "hey coco" (both 0.75 or more); sound alone lets "Hey, go get" pass (Metaphone "HKKT" vs "HKK")."""
+    metaphone = _metaphone()
+    got, want = _norm(heard_words), _norm(phrase.split())
+    spell = SequenceMatcher(None, got, want).ratio()
+    a, b = metaphone(got.replace(" ", "")), metaphone(want.replace(" ", ""))
+    sound = SequenceMatcher(None, a, b).ratio() if b else spell  # a phrase of digits has no Metaphone code
+    return min(spell, sound)
+
+
 def match_wake(text: str, phrase: str, threshold: float = 0.75) -> str | None:
     """The question after the wake phrase ("" when the phrase was all), or None when ``text`` does not start
-    (within MAX_OFFSET words) with something at least ``threshold`` similar to ``phrase``. Similarity is
-    difflib's ratio over the lowercased words; windows one word shorter and longer than the phrase are tried
-    too (ASR splits and merges names: "Coco" / "Co co")."""
+    (within MAX_OFFSET words) with something at least ``threshold`` similar (``similarity``) to ``phrase``;
+    windows one word shorter and longer than the phrase are tried too. threshold 1: the exact words only."""
+    n = len(phrase.split())
     want = _norm(phrase.split())
-    n = len(want.split())
     toks = list(WORD.finditer(text))
     best, end = 0.0, None
     for start in range(0, min(MAX_OFFSET, len(toks)) + 1):
         for size in (n - 1, n, n + 1):
             if size < 1 or start + size > len(toks):
                 continue
-            got = _norm([m.group(0) for m in toks[start : start + size]])
-            r = 1.0 if got == want else (SequenceMatcher(None, got, want).ratio() if threshold < 1 else 0.0)
+            words = [m.group(0) for m in toks[start : start + size]]
+            r = 1.0 if _norm(words) == want else (similarity(words, phrase) if threshold < 1 else 0.0)
             if r > best:  # ties: the earliest, shortest window wins
                 best, end = r, start + size - 1
     if end is None or best < threshold:
