@@ -20,6 +20,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler as _default_expect
 
 from .openai_schema import BadRequest, chunk, completion, error_body, finish_reason, parse_chat_request, usage
 from .scheduler import AsyncJob, PromptTooLong, QueueFull, ShuttingDown
@@ -34,6 +35,36 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return web.json_response(error_body(message, kind, param), status=status, headers=headers)
 
 
+def _auth_error(request: web.Request, state) -> web.Response | None:
+    """401 unless the request carries the API key (when one is set): 'Authorization: Bearer KEY', the scheme
+    in any case (RFC 7235); compared in constant time, as bytes (a header that is not UTF-8 arrives with
+    surrogate escapes: it is a wrong key, not a crash)."""
+    key = state.config.api.api_key
+    if not key or request.path in OPEN_PATHS:
+        return None
+    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
+                                                           key.encode("utf-8")):
+        return None
+    return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                  headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _expect(request: web.Request):
+    """'Expect: 100-continue': refuse a wrong key or a too-large Content-Length before the client sends the
+    body (aiohttp answers 100 Continue before any middleware runs); otherwise aiohttp's 100 Continue."""
+    state = request.app[STATE]
+    limit = state.config.api.body_limit_kib * 1024
+    resp = _auth_error(request, state)
+    if resp is None and request.content_length is not None and request.content_length > limit:
+        resp = _error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    if resp is not None:
+        resp.force_close()
+        state.metrics.requests.inc(1, request.path if request.path in PATHS else "other", str(resp.status))
+        return resp
+    return await _default_expect(request)
+
+
 @web.middleware
 async def _guard(request: web.Request, handler):
     """Auth, JSON errors for everything, a count per request; nothing a client sends escapes as a crash."""
@@ -41,13 +72,9 @@ async def _guard(request: web.Request, handler):
     path = request.path if request.path in PATHS else "other"
     resp = None
     try:
-        key = state.config.api.api_key
-        if key and request.path not in OPEN_PATHS:
-            got = request.headers.get("Authorization", "")
-            if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())):
-                resp = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-                return resp
+        resp = _auth_error(request, state)
+        if resp is not None:
+            return resp
         resp = await handler(request)
         return resp
     except web.HTTPException as e:
@@ -94,10 +121,12 @@ async def _read_json(request: web.Request, api):
         raise _Reply(_error(400, f"request body is not UTF-8 (byte {e.start})")) from None
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        msg = f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) \
-            else "malformed JSON: nested too deeply"
-        raise _Reply(_error(400, msg)) from None
+    except json.JSONDecodeError as e:
+        raise _Reply(_error(400, f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}")) from None
+    except RecursionError:
+        raise _Reply(_error(400, "malformed JSON: nested too deeply")) from None
+    except ValueError:  # an integer of more than sys.get_int_max_str_digits() (4300) digits
+        raise _Reply(_error(400, "malformed JSON: a number has too many digits")) from None
 
 
 class _Reply(Exception):
@@ -228,7 +257,7 @@ def make_app(state) -> web.Application:
     # client_max_size guards aiohttp's own readers; ours (_read_json) applies the configured, reloadable limit
     app = web.Application(middlewares=[_guard], client_max_size=state.config.api.body_limit_kib * 1024)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

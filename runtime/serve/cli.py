@@ -36,8 +36,8 @@ def add_commands(sub) -> None:
                          "beyond loopback it requires an API key")
     sp.add_argument("--no-api", action="store_true", help="do not serve the HTTP API (default: serve it)")
     sp.add_argument("--api-key", metavar="KEY",
-                    help="require 'Authorization: Bearer KEY' (default: $BOARDTALK_API_KEY, else api.api_key of the "
-                         "config, else none on loopback); visible in ps, so prefer the config file or the variable")
+                    help="require 'Authorization: Bearer KEY' (default: $BOARDTALK_API_KEY if set and non-empty, else "
+                         "api.api_key of the config, else none on loopback); visible in ps, so prefer the config file or the variable")
     sp.add_argument("--wyoming", metavar="HOST:PORT", type=_host_port,
                     help="serve Wyoming at this address (default: off unless wyoming.enabled; port 10700)")
     sp.add_argument("--no-audio", action="store_true",
@@ -46,10 +46,9 @@ def add_commands(sub) -> None:
     sp.set_defaults(func=cmd_serve)
 
 
-def effective_config(args):
-    from .config import load_config, with_overrides
-
-    cfg = load_config(args.config)
+def overrides(args) -> dict[str, dict]:
+    """The config keys the command line sets (flags, and $BOARDTALK_API_KEY), by section; a SIGHUP reload
+    applies them again over the reread file, so a key or address given as a flag survives the reload."""
     over: dict[str, dict] = {"model": {}, "api": {}, "wyoming": {}, "audio": {}}
     for key in ("artifact", "board", "threads", "max_context", "trusted_keys"):
         if getattr(args, key, None) is not None:
@@ -58,14 +57,22 @@ def effective_config(args):
         over["api"].update(host=args.api[0], port=args.api[1], enabled=True)
     if args.no_api:
         over["api"]["enabled"] = False
-    key = args.api_key if args.api_key is not None else os.environ.get("BOARDTALK_API_KEY")
+    # an empty variable counts as unset (a unit's 'Environment=BOARDTALK_API_KEY=' must not clear the file's key);
+    # an empty --api-key is refused by the config check (api.api_key: expected a non-empty string)
+    key = args.api_key if args.api_key is not None else (os.environ.get("BOARDTALK_API_KEY") or None)
     if key is not None:
-        over["api"]["api_key"] = key or None
+        over["api"]["api_key"] = key
     if args.wyoming:
         over["wyoming"].update(host=args.wyoming[0], port=args.wyoming[1], enabled=True)
     if args.no_audio:
         over["audio"]["enabled"] = False
-    return with_overrides(cfg, **over)
+    return over
+
+
+def effective_config(args):
+    from .config import load_config, with_overrides
+
+    return with_overrides(load_config(args.config), **overrides(args))
 
 
 def _loader(section):
@@ -96,4 +103,4 @@ def cmd_serve(args) -> int:
             raise ImportError("the HTTP API needs aiohttp: pip install 'boardtalk[serve]' (or run with --no-api)") \
                 from None
     path = args.config or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
-    return asyncio.run(Service(cfg, _loader, config_path=path).run())
+    return asyncio.run(Service(cfg, _loader, config_path=path, overrides=overrides(args)).run())

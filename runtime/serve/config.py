@@ -79,6 +79,14 @@ def _host(v):
     return v
 
 
+def _shown(v) -> str:
+    """v for an error message, bounded: a list or mapping is described, never repr'd (a YAML alias bomb
+    (billion laughs) is cheap to parse, as shared references, but its repr would expand to gigabytes)."""
+    if isinstance(v, (list, dict)):
+        return f"a {'list' if isinstance(v, list) else 'mapping'} of {len(v)} items"
+    return f"{v!r:.60}" if not isinstance(v, str) else repr(v[:60])
+
+
 def _key(default, check: Callable, doc: str):
     """One config key: its default, its check and the comment that documents it."""
     return field(default=default, metadata={"check": check, "doc": doc})
@@ -189,7 +197,7 @@ def _section(name: str, cls: type, data, where: str):
         try:
             kw[k] = f.metadata["check"](v)
         except ValueError as e:
-            raise ConfigError(f"{where}{name}.{k}: {e}, got {v!r:.60}") from None
+            raise ConfigError(f"{where}{name}.{k}: {e}, got {_shown(v)}") from None
     return cls(**kw)
 
 

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check, load_config, with_overrides
 from .metrics import Metrics
 from .scheduler import AsyncJob, ComputeGate, GatedModel, Scheduler
 
@@ -45,12 +45,22 @@ def _systemd():
         return _None
 
 
+def _close_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is None and hasattr(fut.result(), "close"):
+        fut.result().close()
+
+
+class _Stopped(Exception):
+    """A stop was requested during start-up."""
+
+
 class Service:
     """The running service; the HTTP API reads ``config``, ``scheduler``, ``metrics``, ``ready``, ``model_name``."""
 
-    def __init__(self, config: Config, loader, config_path=None):
+    def __init__(self, config: Config, loader, config_path=None, overrides: dict | None = None):
         self.config = config
         self.config_path = config_path  # reread on SIGHUP; None = nothing to reload
+        self.overrides = overrides or {}  # {section: {key: value}} the command line set; applied again on reload
         self._loader = loader  # ModelSection -> Model (the CLI builds the default artifact on first use)
         self.metrics = Metrics()
         self.ready = self.stopping = False
@@ -90,7 +100,7 @@ class Service:
                 from .api import start_api
 
                 runner, self.api_port = await start_api(self, cfg.api.host, cfg.api.port)
-            self.model = await asyncio.to_thread(self._loader, cfg.model)
+            self.model = await self._unless_stopped(self._loader, cfg.model)
             man = self.model.manifest
             self.model_name = str((man.source or {}).get("registry_name") or man.model_name)
             self.gate = ComputeGate(on_step=self._beat)
@@ -116,9 +126,44 @@ class Service:
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
+        except _Stopped:
+            log.info("stop requested while loading the model; not starting")
         finally:
             await self._shutdown(runner, wy_task)
         return 0
+
+    async def _unless_stopped(self, fn, *args):
+        """fn(*args) on a daemon thread, awaited unless a stop comes first (then _Stopped): loading, or
+        building the default artifact on first use, takes seconds to minutes and cannot be interrupted
+        midway, so SIGTERM/Ctrl-C leave it running and the process exits without waiting for it."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(result, error) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def work() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is gone (stopped meanwhile): nobody is waiting
+                if result is not None and hasattr(result, "close"):
+                    result.close()
+
+        threading.Thread(target=work, name="boardtalk-load", daemon=True).start()
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not fut.done():
+            fut.add_done_callback(_close_result)  # loaded after all while we shut down: free it
+            raise _Stopped()
+        return fut.result()
 
     async def _start_wyoming(self, cfg):
         try:
@@ -183,7 +228,7 @@ class Service:
             log.warning("SIGHUP: no config file to reload (started without one)")
             return False
         try:
-            new = load_config(self.config_path)
+            new = with_overrides(load_config(self.config_path), **self.overrides)
         except ConfigError as e:
             log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
             return False
@@ -198,7 +243,13 @@ class Service:
                     log.warning("SIGHUP: %s.%s changed; it applies after a restart", name, f.name)
                     keep[f.name] = ov
             merged[name] = dataclasses.replace(n, **keep)
-        self.config = cfg = Config(**merged)
+        cfg = Config(**merged)
+        try:  # the rules between keys, on what will run: e.g. the running host with the reloaded api_key
+            check(cfg)
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
+            return False
+        self.config = cfg
         if self.scheduler is not None:
             self.scheduler.queue_bound = cfg.api.queue
             if cfg.model.system_prompt != old.model.system_prompt:
