@@ -472,6 +472,10 @@ def _raw(header: dict, payload: bytes = b"") -> bytes:
     (_raw({"type": "audio-chunk", "payload_length": 1 << 40}), "out of range"),
     (_raw({"type": "describe", "data_length": 5}) + b"{oops", "not JSON"),
     (b"x" * (70 << 10) + b"\n", "longer than"),
+    # bug: nesting past the recursion limit raised RecursionError (not ValueError), which killed the reader
+    # task silently: no error, no close, the connection held one of the 16 slots forever
+    (b'{"type": "ping", "data": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}\n", "nested too deeply"),
+    (_raw({"type": "describe", "data_length": 10004}) + b'{"x":' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
 ])
 def test_a_bad_frame_gets_an_error_and_the_server_goes_on(frame, why):
     async def scenario(port):

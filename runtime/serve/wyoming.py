@@ -217,6 +217,8 @@ async def read_event(reader: asyncio.StreamReader):
         head = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadFrame(f"event header is not JSON: {e}") from None
+    except RecursionError:  # not a ValueError: it would end the reader without an error or a close
+        raise BadFrame("event header is not JSON: nested too deeply") from None
     if not isinstance(head, dict) or not isinstance(head.get("type"), str):
         raise BadFrame("event header is not an object with a string 'type'")
     data = head.get("data") or {}
@@ -236,6 +238,8 @@ async def read_event(reader: asyncio.StreamReader):
         raise BadFrame("connection closed inside an event") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadFrame(f"additional data is not JSON: {e}") from None
+    except RecursionError:
+        raise BadFrame("additional data is not JSON: nested too deeply") from None
     return Event(type=head["type"], data=data, payload=payload)
 
 
@@ -297,6 +301,9 @@ class _Connection:
             await self._error(str(e), "bad-frame")
         except (ConnectionError, OSError):
             pass
+        except Exception as e:  # noqa: BLE001 - a bug here must still close the connection (it holds a slot)
+            log.exception("wyoming: reading an event failed")
+            await self._error(f"cannot read the event: {e}", "bad-frame")
         self.closed = True  # the client is gone (or unreadable): cancel what runs for it
         if self.job is not None and not self.job.done():
             self.job.cancel()
