@@ -203,6 +203,8 @@ def test_hostile_requests_get_4xx_and_the_service_lives(server):
     assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'))) == 400
     assert status(_raw(port, _post(b"[" * 100000 + b"]" * 100000))) in (400, 413)
     assert status(_raw(port, _post(b'"just a string"'))) == 400
+    r = _raw(port, _post(b'{"max_tokens": ' + b"9" * 5000 + b"}"))  # bug: the 400 told the client to call
+    assert status(r) == 400 and b"too many digits" in r and b"sys." not in r  # sys.set_int_max_str_digits()
     assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'))) == 400  # surrogate
     assert status(_raw(port, _post(b"x" * (65 * 1024)))) == 413
     assert status(_raw(port, _post(b'{"messages": [{"role": "user", "content": "hi"}]}', "Content-Encoding: gzip\r\n"))) == 415
@@ -277,7 +279,8 @@ def _swallow(fn):
 
 def test_cli_serve_reloads_on_sighup_and_exits_0_on_sigterm(artifact, tmp_path):
     """The real command as systemd runs it: ready line with the port, SIGHUP applies api.max_tokens (and says
-    a port change needs a restart), SIGTERM during a generation exits 0 promptly."""
+    a port change needs a restart; the command line's --api still overrides the file's), SIGTERM during a
+    generation exits 0 promptly."""
     import os
     import re
     import signal
@@ -308,13 +311,14 @@ def test_cli_serve_reloads_on_sighup_and_exits_0_on_sigterm(artifact, tmp_path):
                 "completion_tokens"]
 
         assert tokens() == 40
-        conf.write_text("api:\n  max_tokens: 5\n  port: 1234\naudio:\n  enabled: false\n")
+        conf.write_text("api:\n  max_tokens: 5\n  port: 1234\nwyoming:\n  port: 10701\naudio:\n  enabled: false\n")
         p.send_signal(signal.SIGHUP)
         t0 = time.monotonic()
         while not any("reloaded" in ln for ln in lines):
             assert time.monotonic() - t0 < 30, "".join(lines)
             time.sleep(0.05)
-        assert tokens() == 5 and any("api.port changed; it applies after a restart" in ln for ln in lines)
+        assert tokens() == 5 and any("wyoming.port changed; it applies after a restart" in ln for ln in lines)
+        assert not any("api.port changed" in ln for ln in lines)  # --api on the command line still wins
         conf.write_text("api:\n  max_tokens: 512\naudio:\n  enabled: false\n")
         p.send_signal(signal.SIGHUP)
         t0 = time.monotonic()
