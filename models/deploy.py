@@ -52,14 +52,22 @@ BACKEND_EXTRAS = {"onnxruntime": "onnxruntime", "tvm": "tvm"}  # backend -> setu
 _SAFE_DIR = re.compile(r"[A-Za-z0-9._/+-]+")  # board paths are used in remote shells and rsync: no quoting games
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
+# what deploy keeps in the board directory: anything else there means it is not ours (a home, a project)
+LAYOUT = ("artifacts", "bin", "current", "current.new", "runtime", "runtime.new", "runtime.old", "wheels")
 PROBE = ("import ctypes, json, os, platform, shutil, struct, sys\n"
+         "def where(d):\n"
+         "    if not os.path.lexists(d):\n        return {'kind': 'missing'}\n"
+         "    if not os.path.isdir(d):\n        return {'kind': 'file'}\n"
+         "    try:\n        names = os.listdir(d)\n"
+         "    except OSError as e:\n        return {'kind': 'unreadable', 'why': e.strerror}\n"
+         f"    return {{'kind': 'dir', 'other': sorted(set(names) - set({list(LAYOUT)!r}))}}\n"
          "def lib(n):\n"
          "    try:\n        ctypes.CDLL(n)\n        return True\n"
          "    except OSError:\n        return False\n"
          "print(json.dumps({'python': list(sys.version_info[:3]), 'machine': platform.machine(), "
          "'glibc': platform.libc_ver()[1], 'rsync': bool(shutil.which('rsync')), "
          "'systemctl': bool(shutil.which('systemctl')), 'gomp': lib('libgomp.so.1'), 'bits': struct.calcsize('P') * 8, "
-         "'home': os.path.expanduser('~')}))")
+         "'home': os.path.expanduser('~'), 'dir': where(sys.argv[1]) if len(sys.argv) > 1 else None}))")
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,12 @@ def parse_target(spec: str, port: int | None = None) -> Target:
     if d == "~" or d.startswith("~/"):
         d = d[2:] or "."  # ssh and rsync start in the home directory
     d = d.rstrip("/") or "/"
-    if not _SAFE_DIR.fullmatch(d) or d == "/" or ".." in d.split("/"):
+    if d.isdigit():
+        raise ValueError(f"--to {spec!r}: {d!r} after the colon is a directory, not a port: the port goes in --port "
+                         f"(--to {spec.rpartition(':')[0]} --port {d}); a directory named {d} is ./{d}")
+    if not _SAFE_DIR.fullmatch(d) or d == "/" or ".." in d.split("/") or d.startswith("-"):
         raise ValueError(f"--to {spec!r}: board directory {d!r} must be a plain path (letters, digits, . _ - + /, "
-                         "no '..', not /)")
+                         "no '..', not / and not starting with -)")
     return Target(host, user, d, port)
 
 
@@ -206,7 +217,7 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
 
     if to:
         def probe() -> str:
-            out = remote(opts, "probe", f"{pyq} -c {shlex.quote(PROBE)}", timeout=120)
+            out = remote(opts, "probe", f"{pyq} -c {shlex.quote(PROBE)} {shlex.quote(to.dir)}", timeout=120)
             try:
                 info = json.loads(out.strip().splitlines()[-1])
             except (ValueError, IndexError):
@@ -225,6 +236,7 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
             if backend == "native" and not info.get("gomp"):
                 raise DeployError(f"deploy step 'probe': {to.dest} has no libgomp.so.1, the OpenMP runtime the native "
                                   "kernels link: install it there (apt install libgomp1), or --backend onnxruntime")
+            _check_board_dir(to, info.get("dir"))
             info["machine"] = machine
             st.board_info = info
             return (f"Python {'.'.join(map(str, info['python']))}, {machine}, glibc {info['glibc'] or '?'}, "
@@ -374,6 +386,26 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
                       [f"ssh {to.dest} 'systemctl is-enabled {opts.service} && systemctl restart {opts.service}'"],
                       restart))
     return steps, st
+
+
+def _check_board_dir(to: Target, where: dict | None) -> None:
+    """Refuse a board directory that is a file, unreadable, or holds anything but a deploy's own layout: the
+    install replaces DIR/runtime and DIR/bin/boardtalk and rsync --delete empties DIR/wheels, so deploying into
+    a home ('pi@host:~') or a project directory would delete the user's own runtime/, wheels/ or bin/ files."""
+    if where is None:
+        return
+    kind, d = where.get("kind"), to.dir
+    if kind == "file":
+        raise DeployError(f"deploy step 'probe': {d} on {to.dest} is a file, not a directory: choose another "
+                          f"directory (--to {to.dest}:DIR)")
+    if kind == "unreadable":
+        raise DeployError(f"deploy step 'probe': cannot list {d} on {to.dest} ({where.get('why')})")
+    other = where.get("other") or []
+    if kind == "dir" and other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise DeployError(f"deploy step 'probe': {d} on {to.dest} holds files deploy did not put there ({shown}); "
+                          f"deploy replaces runtime/, bin/ and wheels/ in it: give a directory of its own "
+                          f"(--to {to.dest}:{DEFAULT_DIR}) or an empty one")
 
 
 def _artifact_backend(path: str) -> str:

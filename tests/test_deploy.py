@@ -59,11 +59,33 @@ def test_parse_target(spec, want):
 
 
 @pytest.mark.parametrize("spec", ["", "pi@", "-oProxyCommand=touch x", "pi@host:dir with space", "pi@host:../x",
-                                  "pi@host:/", "pi@host:$(reboot)", "pi;rm@host", "pi@[::1"])
+                                  "pi@host:/", "pi@host:$(reboot)", "pi;rm@host", "pi@[::1", "pi@host:-rf"])
 def test_parse_target_refuses(spec):
-    """A host starting with '-' would reach ssh as an option; board paths are used in remote shells."""
+    """A host starting with '-' would reach ssh as an option; board paths are used in remote shells (bug: a
+    directory starting with '-' reached 'rm -rf DIR/...' and 'mkdir -p DIR/...' as options)."""
     with pytest.raises(ValueError, match="--to"):
         parse_target(spec)
+
+
+def test_a_port_where_the_directory_goes_is_refused_with_the_fix():
+    """Bug: 'pi@host:22' (the port written as in a URL) deployed into a directory named 22 in the home."""
+    with pytest.raises(ValueError, match=r"not a port: the port goes in --port \(--to pi@host --port 22\)"):
+        parse_target("pi@host:22")
+    assert parse_target("pi@host:./22").dir == "./22"
+
+
+def test_the_probe_reports_what_the_board_directory_holds(tmp_path):
+    """The probe script itself (run by this Python): a missing, a file, a deploy's own and a foreign directory."""
+    from models.deploy import PROBE
+
+    (tmp_path / "bt" / "bin").mkdir(parents=True)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "home" / "runtime").mkdir(parents=True)
+    (tmp_path / "home" / ".bashrc").write_text("x")
+    got = {n: json.loads(subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / n)], capture_output=True,
+                                        text=True, check=True).stdout)["dir"] for n in ("bt", "file", "home", "none")}
+    assert got == {"bt": {"kind": "dir", "other": []}, "file": {"kind": "file"},
+                   "home": {"kind": "dir", "other": [".bashrc"]}, "none": {"kind": "missing"}}
 
 
 def test_dry_run_prints_every_step_and_runs_none(capsys, tmp_path):
@@ -126,6 +148,13 @@ GOOD_BOARD = {"python": [3, 11, 2], "machine": "aarch64", "glibc": "2.36", "rsyn
     ({"machine": "x86_64"}, "is x86_64, but board pi5 is aarch64"),
     ({"bits": 32}, "is a 32-bit Python (aarch64 kernel)"),
     ({"gomp": False}, "no libgomp.so.1"),
+    ({"dir": {"kind": "dir", "other": []}}, None),  # a deploy's own directory (or an interrupted one's)
+    ({"dir": {"kind": "missing"}}, None),
+    ({"dir": {"kind": "file"}}, "bt on pi@board.invalid is a file, not a directory"),
+    # bug: 'pi@host:~' (or a project directory) deployed into the home: the install replaced ~/runtime and
+    # ~/bin/boardtalk and rsync --delete emptied ~/wheels, whatever the user kept there
+    ({"dir": {"kind": "dir", "other": [".bashrc", ".profile"]}}, "holds files deploy did not put there (.bashrc, "
+                                                                   ".profile)"),
 ])
 def test_probe_refuses_boards_that_cannot_run_the_runtime(monkeypatch, change, msg):
     """What the board's Python reports decides before anything is built: too old, another architecture, a
@@ -134,7 +163,7 @@ def test_probe_refuses_boards_that_cannot_run_the_runtime(monkeypatch, change, m
 
     monkeypatch.setattr(d, "remote", lambda opts, step, script, **kw: "login banner\n" + json.dumps({**GOOD_BOARD,
                                                                                                    **change}))
-    steps, st = d.plan(d.DeployOptions(board="pi5", to=parse_target("pi@board.invalid")))
+    steps, st = d.plan(d.DeployOptions(board="pi5", to=parse_target("pi@board.invalid:bt")))
     assert steps[0].name == "probe"
     if msg is None:
         assert "Python 3.11.2, aarch64, glibc 2.36" in steps[0].run() and st.board_info["machine"] == "aarch64"
