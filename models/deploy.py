@@ -202,6 +202,12 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
         raise ValueError("--artifact deploys an artifact already built; --out is where to build one: give one")
     if opts.out and opts.to and _tarball(opts.out):
         raise ValueError("--out must be a directory when deploying (--to); a tarball is for build-only runs")
+    # checked here, before the board is contacted: a missing --identity made ssh warn and try the default keys
+    # (another login, perhaps), a missing --wheels failed only after the probe
+    if opts.identity and not Path(opts.identity).is_file():
+        raise ValueError(f"--identity {opts.identity}: no such file (the ssh private key)")
+    if opts.wheels and not Path(opts.wheels).is_dir():
+        raise ValueError(f"--wheels {opts.wheels}: no such directory (a wheelhouse made by an earlier deploy)")
     if opts.transfer not in ("auto", "rsync", "tar"):
         raise ValueError(f"transfer must be auto, rsync or tar, got {opts.transfer!r}")
     st = _State()

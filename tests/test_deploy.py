@@ -178,6 +178,8 @@ def test_probe_refuses_boards_that_cannot_run_the_runtime(monkeypatch, change, m
     (["--to", "pi@h", "--out", "x.tar.gz"], "tarball is for build-only"),
     (["--artifact", "a", "--out", "b"], "--artifact deploys"),
     (["--port", "22"], "--port is for --to"),
+    (["--to", "pi@h", "--identity", "/nonexistent/key"], "--identity /nonexistent/key: no such file"),
+    (["--to", "pi@h", "--wheels", "/nonexistent/wh"], "--wheels /nonexistent/wh: no such directory"),
 ])
 def test_bad_deploy_options_are_one_line(capsys, args, msg):
     rc, _, err = _run_cli(["deploy", "--board", "pi5", "--dry-run", *args], capsys)
