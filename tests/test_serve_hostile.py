@@ -142,3 +142,38 @@ def test_expect_100_continue_refuses_before_the_body():
     finally:
         bg.stop()
         release()
+
+
+def test_half_sent_headers_are_dropped(monkeypatch):
+    """Bug: a connection that never finished its request line and headers was kept for aiohttp's 75 s
+    keep-alive; ~1000 of them (slowloris) held every descriptor of a service under systemd's default limit
+    (1024 open files) and locked every client out. Now they are dropped after api.read_timeout_s (>= 5 s)."""
+    import runtime.serve.api as api
+
+    assert api.header_timeout_s(from_dict({}).api) == 10.0
+    monkeypatch.setattr(api, "header_timeout_s", lambda cfg: 0.5)
+    bg, release = _serve_loading()
+    try:
+        with socket.create_connection(("127.0.0.1", bg.service.api_port), timeout=20) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            t0 = time.monotonic()
+            assert s.recv(100) == b"" and time.monotonic() - t0 < 15  # closed by the server
+    finally:
+        bg.stop()
+        release()
+
+
+def test_serve_raises_the_open_files_soft_limit():
+    """systemd gives services a soft limit of 1024 open files: serve raises it toward the hard limit, so a
+    client's connections exhaust its own ports (~28k per address) before the service's descriptors."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard open-files limit here is {hard}: nothing to raise to")
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit("
+            "resource.RLIMIT_NOFILE)[1])); from runtime.serve.cli import raise_fd_limit; print(raise_fd_limit())")
+    got = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert got == (65536 if hard == resource.RLIM_INFINITY else min(65536, hard))

@@ -264,10 +264,19 @@ def make_app(state) -> web.Application:
     return app
 
 
+def header_timeout_s(api) -> float:
+    """Seconds a connection may take to send a request's headers, and may stay idle between requests."""
+    return max(5.0, api.read_timeout_s)
+
+
 async def start_api(state, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Listen; returns the runner (``await runner.cleanup()`` stops it) and the bound port."""
-    runner = web.AppRunner(make_app(state), handle_signals=False, handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
-                           auto_decompress=False, keepalive_timeout=75, lingering_time=0.5, max_line_size=8190, max_field_size=8190)
+    # keepalive_timeout also bounds a new connection that never completes its request line and headers (aiohttp
+    # closes it as idle): 75 s let ~1000 half-sent requests (slowloris) hold every file descriptor of a service
+    # under systemd's default limit (1024), locking everyone out; now they go after api.read_timeout_s (>= 5 s)
+    runner = web.AppRunner(make_app(state), handle_signals=False, handler_cancellation=True, shutdown_timeout=1.0,
+                           access_log=None, auto_decompress=False, keepalive_timeout=header_timeout_s(state.config.api),
+                           lingering_time=0.5, max_line_size=8190, max_field_size=8190)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=128)
     await site.start()

@@ -75,6 +75,23 @@ def effective_config(args):
     return with_overrides(load_config(args.config), **overrides(args))
 
 
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise this process's soft open-files limit toward the hard one (systemd gives services 1024 soft, kept low
+    for select(); asyncio uses epoll): a client opening connections runs out of its own ports (~28k per address)
+    before the service runs out of descriptors. Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logging.getLogger(__name__).warning("could not raise the open-files limit from %d: %s", soft, e)
+    return soft
+
+
 def _loader(section):
     """ModelSection -> Model through the CLI's loader (it builds the default artifact on first use)."""
     from runtime.cli import _load
@@ -102,5 +119,7 @@ def cmd_serve(args) -> int:
         except ImportError:
             raise ImportError("the HTTP API needs aiohttp: pip install 'boardtalk[serve]' (or run with --no-api)") \
                 from None
+    if cfg.api.enabled or cfg.wyoming.enabled:
+        raise_fd_limit()
     path = args.config or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
     return asyncio.run(Service(cfg, _loader, config_path=path, overrides=overrides(args)).run())

@@ -121,8 +121,9 @@ class ApiSection:
                            "also the default when a request gives none")
     queue: int = _key(8, _int(0, 4096), "requests that may wait while one generates; past it: 503 with Retry-After")
     body_limit_kib: int = _key(256, _int(1, 1 << 20), "largest request body in KiB; larger ones get 413")
-    read_timeout_s: float = _key(10.0, _num(0.1, 3600), "seconds a client may take to send its request; slower "
-                                 "ones (slowloris) are dropped")
+    read_timeout_s: float = _key(10.0, _num(0.1, 3600), "seconds a client may take to send its request body; its "
+                                 "headers get this too (at least 5 s; set at start), as does an idle keep-alive "
+                                 "connection; slower ones (slowloris) are dropped")
 
 
 @dataclass(frozen=True)
