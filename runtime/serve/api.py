@@ -19,8 +19,7 @@ import logging
 import time
 import uuid
 
-from aiohttp import web
-from aiohttp.web_urldispatcher import _default_expect_handler as _default_expect
+from aiohttp import HttpVersion11, web
 
 from .openai_schema import BadRequest, chunk, completion, error_body, finish_reason, parse_chat_request, usage
 from .scheduler import AsyncJob, PromptTooLong, QueueFull, ShuttingDown
@@ -52,7 +51,7 @@ def _auth_error(request: web.Request, state) -> web.Response | None:
 
 async def _expect(request: web.Request):
     """'Expect: 100-continue': refuse a wrong key or a too-large Content-Length before the client sends the
-    body (aiohttp answers 100 Continue before any middleware runs); otherwise aiohttp's 100 Continue."""
+    body (aiohttp answers 100 Continue before any middleware runs); otherwise 100 Continue."""
     state = request.app[STATE]
     limit = state.config.api.body_limit_kib * 1024
     resp = _auth_error(request, state)
@@ -62,7 +61,13 @@ async def _expect(request: web.Request):
         resp.force_close()
         state.metrics.requests.inc(1, request.path if request.path in PATHS else "other", str(resp.status))
         return resp
-    return await _default_expect(request)
+    if request.version != HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect', ''):.100}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # as aiohttp's default expect handler
+    request.writer.output_size = 0  # the body's size counts from here
+    return None
 
 
 @web.middleware
