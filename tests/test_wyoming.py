@@ -600,3 +600,24 @@ def test_audio_past_30_s_is_dropped_with_an_error_and_the_rest_transcribed():
     errors = [e for e in events if e.type == "error"]
     assert len(errors) == 1 and errors[0].data["code"] == "audio-too-long"
     assert next(e for e in events if e.type == "transcript").data["text"] == f"{30 * SAMPLE_RATE} samples"
+
+
+def test_a_busy_model_is_an_error_event_without_a_traceback(caplog):
+    """Bug: a handle request refused by the scheduler (queue full: routine under load) was logged with a full
+    traceback, one per request, as if the server had failed."""
+    from runtime.serve.scheduler import QueueFull
+
+    async def busy(text):
+        raise QueueFull(8, 3)
+        yield  # an async generator, as the service's llm_stream
+
+    async def scenario(port):
+        async with client(port) as c:
+            await c.write_event(Transcript(text="hello").event())
+            return await read_until(c, "error")
+
+    with caplog.at_level("INFO", logger="runtime.serve.wyoming"):
+        events = serve(scenario, llm=busy)
+    err = events[-1]
+    assert err.data["code"] == "QueueFull" and "busy" in err.data["text"]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"

@@ -274,7 +274,10 @@ class _Connection:
                 if (e := self.job.exception()) is not None:
                     if isinstance(e, (ConnectionError, OSError)):
                         break
-                    log.exception("wyoming: %s failed", event.type, exc_info=e)
+                    if _expected(e):  # the model is busy or stopping: the client's to retry, not a bug
+                        log.info("wyoming: %s refused: %s", event.type, e)
+                    else:
+                        log.exception("wyoming: %s failed", event.type, exc_info=e)
                     await self._error(f"{event.type} failed: {e}", type(e).__name__)
         finally:
             self.closed = True
@@ -507,6 +510,13 @@ class _Connection:
                 await close()  # a disconnect or a cancel lands here: closing it cancels the generation
         await self._send(Handled(text="".join(reply).strip(), context=context).event())
         await self._send(HandledStop().event())
+
+
+def _expected(e: BaseException) -> bool:
+    """The scheduler's refusals (queue full, shutting down, prompt too long): answered, not logged as bugs."""
+    from .scheduler import PromptTooLong, QueueFull, ShuttingDown
+
+    return isinstance(e, (QueueFull, ShuttingDown, PromptTooLong))
 
 
 def _log_failure(task: asyncio.Task) -> None:
