@@ -174,6 +174,7 @@ def test_hangover_adapts_to_a_complete_sentence(model, tmp_path, text, rule, han
 
 
 def test_short_hangover_off_and_validated(model, tmp_path):
+    assert VoiceConfig().hangover_complete_s is None  # opt-in: it cut users who paused after a clause
     path = _wav(tmp_path, [(0.3, False), (1.0, True), (1.0, False)])
     cfg = VoiceConfig(system="be brief", max_new_tokens=8, hangover_complete_s=None)
     (tr,) = run_file(model, EnergyVAD(), FixedASR("Why is the sky blue?"), ToneTTS(), path, None, cfg, tail_s=5)["turns"]
