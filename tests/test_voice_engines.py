@@ -289,6 +289,25 @@ def test_asr_final_pass_cuts_of_espeak_do_not_loop(asr, espeak):
     assert errors / words <= 0.15, errors / words
 
 
+def test_prefix_reuse_forces_what_two_passes_agree_on(espeak):
+    """reuse_prefix (opt-in): the final pass is prompted with the words the last two partial passes agree on,
+    and still hears the whole utterance; reset() forgets them."""
+    from runtime.voice.asr import WhisperASR, agreed_prefix
+
+    assert agreed_prefix([50363, 1, 2, 3, 50400], [50363, 1, 2, 4]) == [50363, 1, 2]
+    assert agreed_prefix([50363, 1, 50380, 2], [50363, 1, 50380, 2]) == [50363, 1]  # first segment only
+    asr = WhisperASR(reuse_prefix=True)
+    text = UTTERANCES[1]
+    x = espeak(text)
+    for end in (0.6, 0.8, 1.0):
+        asr.transcribe(x[: int(end * len(x))])
+    t = asr.transcribe(x)
+    assert asr.last_prefix_tokens >= 3 and wer(text, t.text) <= 0.35, (asr.last_prefix_tokens, t.text)
+    asr.reset()
+    asr.transcribe(x)
+    assert asr.last_prefix_tokens == 0
+
+
 def test_asr_two_sentences_no_repeats(asr, espeak):
     clip = np.concatenate([espeak(UTTERANCES[4]), np.zeros(SAMPLE_RATE // 2, np.float32), espeak(UTTERANCES[5])])
     t = asr.transcribe(clip)
