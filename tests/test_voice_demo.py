@@ -98,9 +98,10 @@ def test_cli_refuses_a_bad_persona_in_one_line_before_loading_anything(tmp_path)
     for argv, want in ((["--persona", "bad.yaml", "--input-wav", "in.wav"], "max_reply_tokens: expected an integer"),
                        (["--output-wav", "o.wav"], "for file mode"),
                        (["--persona", "robo", "--input-wav", "in.wav"], "give --press-at"),
-                       (["--press-at", "1", "--input-wav", "in.wav"], "for push_to_talk personas")):
+                       (["--press-at", "1", "--input-wav", "in.wav"], "for push_to_talk personas"),
+                       (["--persona", "robo"], "standard input is not one")):  # live push-to-talk, no terminal
         r = subprocess.run([sys.executable, "-m", "voice_demo", *argv], cwd=tmp_path, capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("voice_demo: error: "), r.stderr
         assert want in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "in.wav"]

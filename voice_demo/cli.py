@@ -112,6 +112,9 @@ def run(args) -> int:
     if file_mode and ptt and not args.press_at:
         raise CliError(f"persona {persona.name} is push_to_talk: in file mode give --press-at SECONDS for each "
                        "key press (nothing is heard otherwise)")
+    if not file_mode and ptt and not sys.stdin.isatty():
+        raise CliError(f"persona {persona.name} is push_to_talk: its key is read from a terminal, and standard input "
+                       "is not one; run it in a terminal, or use a wake persona")
     if args.press_at and not ptt:
         raise CliError(f"--press-at is for push_to_talk personas; {persona.name} wakes on \"{persona.wake_phrase}\"")
     if file_mode:
