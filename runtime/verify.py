@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 log = logging.getLogger(__name__)
 
 SMOKE_TOKENS = 16  # greedy tokens of the smoke test
+# boardtalk extras deploy --with may install on a board (models/deploy.py): the service, the voice loop, signatures
+DEPLOY_EXTRAS = ("serve", "voice", "sign", "onnxruntime")
 SMOKE_PROMPT = "The three primary colors are"  # raw text (no chat template: every model has a tokenizer)
 
 
@@ -224,6 +226,11 @@ def add_commands(sub) -> None:
                         "(default: %(default)s)")
     d.add_argument("--service", default="boardtalk", metavar="NAME",
                    help="systemd unit restarted after the switch if it is enabled on the board (default: %(default)s)")
+    d.add_argument("--with", dest="with_extras", action="append", metavar="EXTRA",
+                   choices=DEPLOY_EXTRAS,
+                   help="also install this extra of boardtalk on the board: serve (boardtalk serve: API, Wyoming, "
+                        "voice loop; the board also needs libportaudio2 for audio), voice, sign, onnxruntime; "
+                        "repeatable (default: the runtime and the backend's needs only)")
     d.add_argument("--dry-run", action="store_true", help="print every step and run none (default: run them)")
     d.set_defaults(func=cmd_deploy)
 

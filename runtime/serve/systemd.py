@@ -268,6 +268,15 @@ def render_unit(o: UnitOptions) -> str:
 
 
 # -- boardtalk install-service ---------------------------------------------------------------------------------
+def deployed_dir() -> Path | None:
+    """The directory 'boardtalk deploy' installed us into (runtime/, artifacts/, current, voice-assets/), when
+    its launcher ($BOARDTALK_LAUNCHER = DIR/bin/boardtalk) runs us; else None."""
+    launcher = os.environ.get("BOARDTALK_LAUNCHER")
+    if launcher and os.path.isabs(launcher) and os.access(launcher, os.X_OK):
+        return Path(launcher).resolve().parents[1]
+    return None
+
+
 def entry_point() -> tuple[list[str], list[str]]:
     """(ExecStart argv, paths to bind read-only): $BOARDTALK_LAUNCHER (a deployed board's launcher), else the
     ``boardtalk`` script beside this Python (a venv's bin/, not resolved through its symlinks), else this
@@ -283,7 +292,9 @@ def entry_point() -> tuple[list[str], list[str]]:
     import runtime
 
     binds = []
-    for p in (Path(sys.prefix), Path(runtime.__file__).resolve().parents[1], Path(argv[0]).parent):
+    deployed = deployed_dir()  # all of it: the runtime, the live artifact and the voice model files
+    for p in ((deployed,) if deployed else ()) + (Path(sys.prefix), Path(runtime.__file__).resolve().parents[1],
+                                                  Path(argv[0]).parent):
         if p.parts[1:2] in (("home",), ("root",)) and not any(str(p).startswith(b + "/") or str(p) == b for b in binds):
             binds.append(str(p))
     return argv, binds
@@ -366,8 +377,11 @@ def cmd_install_service(args) -> int:
     else:
         from runtime.serve.config import render_default
 
-        _write(config, render_default(), 0o640)
-        note(f"wrote the default config {config}")
+        deployed = deployed_dir()
+        artifact = deployed / "current" if deployed and (deployed / "current").exists() else None
+        _write(config, render_default(artifact=str(artifact) if artifact else None), 0o640)
+        note(f"wrote the default config {config}" + (f" (model.artifact: {artifact}, the deployed artifact)"
+                                                     if artifact else ""))
     (root / "etc/boardtalk/trusted_keys").mkdir(parents=True, exist_ok=True)
     if args.root is not None:
         note(f"--root {root}: no user created, systemctl not run")
