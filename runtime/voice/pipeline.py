@@ -48,8 +48,8 @@ class VoiceConfig:
     vad_off: float = 0.35  # during speech, a window below this is silence
     hangover_s: float = 0.25  # silence that confirms the end of a turn (pure latency: keep it short)
     # silence that is enough once the speculative transcript is a complete sentence (ends in . ? ! and not
-    # in a word that cannot end one); None (default): always hangover_s. 0.15 gave first audio 77 ms sooner
-    # on 29 of 43 bench turns but cut 2 of 8 users who paused 0.2-0.3 s after a complete clause ("Remind me
+    # in a word that cannot end one); None (default): always hangover_s. 0.15 gave first audio ~96 ms sooner
+    # on 36 of 43 bench turns but cut 2 of 8 users who paused 0.2-0.3 s after a complete clause ("Remind me
     # to call my sister." ... "tomorrow morning"): opt-in (docs/voice.md)
     hangover_complete_s: float | None = None
     min_speech_s: float = 0.2  # voiced time below which an utterance is noise
@@ -261,7 +261,8 @@ class VoiceLoop:
 
     def _prefill_partial(self, text: str) -> None:
         try:
-            if self._spec is None:  # a final pass is under way: its reply's prefill will do this
+            if self.state == self.SPEECH and self._spec is None:  # else a final pass is under way or done: the
+                # reply's own prefill covers this
                 self.session.warm_prefix(self.history + [{"role": "user", "content": text}])
         except Exception:  # noqa: BLE001  (a context overflow is handled when the turn is answered)
             log.debug("partial prefill skipped", exc_info=True)
