@@ -25,7 +25,8 @@ def cmd_voice(args) -> int:
     if args.threads is None:
         args.threads = 1  # ASR and TTS run beside the LLM: 2 OpenMP threads on 2 busy cores stall (measured)
     cfg = VoiceConfig(system=args.system, max_new_tokens=args.max_new_tokens, hangover_s=args.hangover_ms / 1e3,
-                      barge_in=args.barge_in, barge_in_s=args.barge_in_ms / 1e3)
+                      barge_in=args.barge_in, barge_in_s=args.barge_in_ms / 1e3, early_final=not args.no_early_final,
+                      hangover_complete_s=None if args.hangover_complete_ms is None else args.hangover_complete_ms / 1e3)
     model = _load(args)
     print("loading the voice engines ...", file=sys.stderr)
     vad, asr, tts = (open_engine(k, getattr(args, k)) for k in ("vad", "asr", "tts"))
@@ -78,6 +79,13 @@ def add_commands(sub) -> None:
                    help="reply length cap in tokens (default: %(default)s)")
     v.add_argument("--hangover-ms", type=_int_in(0, 5000), default=250, metavar="MS",
                    help="silence that ends a turn; shorter answers sooner but may cut a pause (default: %(default)s)")
+    v.add_argument("--hangover-complete-ms", type=_int_in(0, 5000), metavar="MS",
+                   help="end the turn after this shorter silence once the transcript reads as a finished sentence "
+                        "(<= --hangover-ms): ~96 ms sooner first audio on the bench, but it cut 2 of 8 users who "
+                        "paused after a complete clause (default: off)")
+    v.add_argument("--no-early-final", action="store_true",
+                   help="start the final speech-recognition pass only when the VAD reports silence, not one window "
+                        "earlier when the last voiced window's tail is already quiet (default: early, ~19 ms sooner)")
     v.add_argument("--barge-in", action="store_true",
                    help="speech while the bot talks stops it (needs echo cancellation on a live device; file mode "
                         "has no echo) (default: off, half-duplex)")

@@ -428,6 +428,9 @@ class VoiceLoop:
                              {"role": "assistant", "content": turn.reply_text}]
         self._barge = 0.0
         self.vad.reset()
+        end = getattr(self.output, "end_reply", None)  # the reply's last sample is out: not an underrun after it
+        if end is not None:
+            end()
         self._set_state(self.IDLE)
 
     def _set_state(self, state: str) -> None:
@@ -441,8 +444,9 @@ class VoiceLoop:
         return self.state == self.IDLE
 
     def close(self) -> None:
-        if self._spec is not None:
-            self._spec.cancel.cancel()
+        for spec in (self._spec, self._spec_of_turn):  # also a reply being spoken: Ctrl-C must not wait for it
+            if spec is not None:
+                spec.cancel.cancel()
         for ex in (self._asr, self._llm, self._tts):
             ex.shutdown(wait=True, cancel_futures=True)
         self.session.close()
