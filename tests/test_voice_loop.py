@@ -243,3 +243,21 @@ def test_wav_io_and_resampling(tmp_path):
         read_wav(tmp_path / "bad.wav")
     with pytest.raises(ValueError, match="not a WAV"):
         read_wav(tmp_path / "a.wav.txt") if (tmp_path / "a.wav.txt").write_text("x") else None
+
+
+def test_the_loop_tells_its_output_when_each_reply_ends(model, tmp_path, monkeypatch):
+    """Live review: the service's and the voice toy's speaker sinks were never told that a reply had ended, so
+    the silence after each reply counted as one speaker underrun; the loop now calls output.end_reply()."""
+    from runtime.voice import filemode
+
+    ends = []
+
+    class Output(filemode.FileOutput):
+        def end_reply(self):
+            ends.append(self.clock())
+
+    monkeypatch.setattr(filemode, "FileOutput", Output)
+    path = _wav(tmp_path, [(0.4, False), (1.0, True), (1.2, False), (0.7, True), (0.6, False)])
+    turns = _run(model, path, tmp_path)["turns"]
+    assert len(turns) == 2 and len(ends) == 2, (turns, ends)
+    assert turns[0]["first_audio_s"] < ends[0] < turns[1]["speech_start_s"] + 0.1 < ends[1]
