@@ -385,12 +385,17 @@ def test_wake_phrase_gates_replies_end_to_end(real_artifacts, tmp_path):
     x = np.concatenate([gap[: SR // 2], _espeak("What color is the sky?", tmp_path), gap,
                         _espeak("Hey Coco, what color is the sky?", tmp_path), gap[:SR]])
     write_wav(work / "in.wav", x, SR)
-    cache = runtime.artifact.cache_dir()
-    before = _files(cache)
+    from runtime.voice.assets import asset, asset_dir, voice_cache
+
+    asset("silero_vad.onnx"), asset_dir("whisper-tiny-en")  # the engines' models, in the shared cache first
+    # a cache of its own (other processes write to the shared one); the voice models read from the shared one
+    cache = tmp_path / "cache"
+    cache.mkdir()
     r = subprocess.run([sys.executable, "-m", "voice_demo", "--artifact", str(real_artifacts["native"]),
                         "--input-wav", "in.wav", "--output-wav", "out.wav", "--report-json", "r.json"],
                        cwd=work, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), "BOARDTALK_CACHE": str(cache),
+                            "BOARDTALK_VOICE_ASSETS": str(voice_cache())})
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in work.iterdir()) == ["in.wav", "out.wav", "r.json"]  # nothing else
     # `import onnxruntime` itself writes $TMPDIR/.ses (its embedded telemetry SDK's session file: a launch time
@@ -398,7 +403,7 @@ def test_wake_phrase_gates_replies_end_to_end(real_artifacts, tmp_path):
     assert _files(tmp) <= {".ses"}
     if (tmp / ".ses").exists():
         assert re.fullmatch(r"\d+\n[0-9a-f-]{36}\n", (tmp / ".ses").read_text())
-    assert all(f.endswith(".lock") for f in _files(cache) - before), _files(cache) - before
+    assert all(f.endswith(".lock") for f in _files(cache)), _files(cache)
     rep = json.loads((work / "r.json").read_text())
     why = json.dumps({k: rep[k] for k in ("turns", "events")}, indent=None)[:3000]
     # the first question: heard, not answered. Then the wake phrase, either with the question in one turn or
@@ -476,7 +481,7 @@ def test_live_on_virtual_devices(pulse, real_artifacts, tmp_path, caplog):
         assert ready.wait(20), "no microphone window in 20 s"
         time.sleep(0.5)
         pulse.play_into_mic(tmp_path / "q.wav", wait=True)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 40  # generous: the machine is shared; it ends as soon as the toy is done
         while "[coco] listening" not in out.getvalue() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.3)
