@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prove a tvm (CUDA) artifact on whatever NVIDIA GPU this machine has, against the native CPU backend.
+"""Prove a tvm (CUDA) or onnxruntime (CUDA EP) artifact on this machine's NVIDIA GPU, against the native backend.
 
     # on any machine with the native backend (writes the CPU side's greedy ids and perplexity):
     python scripts/gpu_proof.py reference --out docs/gpu_reference.json
@@ -8,6 +8,14 @@
         --out-dir OUT
     # where ids parted, check the GPU's logits against the float64 reference (needs the GGUF; any machine):
     python scripts/gpu_proof.py bounds --logits OUT/gpu_logits.npz
+    # the onnxruntime artifact on the CUDA EP (docs/gpu.md): build for a CUDA board, patch its KV quantizer, run
+    boardtalk build --backend onnxruntime --board jetson-orin-nano --out ART
+    python scripts/gpu_proof.py cuda-patch ART
+    BOARDTALK_BOARD=jetson-orin-nano python scripts/gpu_proof.py run --backend onnxruntime --artifact ART --out-dir OUT
+
+``--backend onnxruntime`` proves an onnxruntime artifact built for a CUDA board (``--board jetson-orin-nano``) on
+``onnxruntime-gpu``'s CUDA execution provider instead: the same checks and figures, plus where each node runs
+(ort_placement.txt: ORT's verbose node placement and a profile of a 64-token prefill and 8 decode steps).
 
 ``run`` loads the artifact twice (the first load JIT-compiles the PTX when the GPU is not the artifact's
 sm_87; the second shows the cached load time), generates greedy ids for every prompt and compares them with
@@ -90,6 +98,94 @@ def _gpu_mem(backend) -> tuple[float, float]:
     return attr(2, 0, 15) / 2**30, attr(2, 0, 14) / 2**30
 
 
+def _nvsmi_used_mib() -> float:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+        return float(out.split()[0])
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):  # no NVIDIA GPU here
+        return float("nan")
+
+
+def _ort_placement(m, graph: Path, out_dir: Path, text: list[int]) -> list[str]:
+    """Where ORT puts each node: its verbose placement log, and a profile of a prefill and decode steps.
+
+    Replaces the model's session with a verbose, profiling one over the same graph and options (returns lines)."""
+    import collections
+    import gzip
+    import os
+
+    import onnxruntime as ort
+
+    be = m.backend
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = be.threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 0
+    so.log_verbosity_level = 1
+    so.enable_profiling = True
+    so.profile_file_prefix = str(out_dir / "ort_profile")
+    ort.set_default_logger_severity(0)
+    log_path = out_dir / "ort_verbose.log"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)  # ORT's C++ logger writes to fd 2
+    old = be.session
+    try:  # the session logs verbosely on every run too: keep fd 2 in the file until it is gone
+        sess = ort.InferenceSession(str(graph), so, providers=[be.provider])
+        be.session = sess
+        s = m.session
+        s.reset()
+        s.prefill(text[:64])
+        tok = 1
+        for _ in range(8):
+            tok = int(np.argmax(s.decode_step(tok)))
+        prof = Path(sess.end_profiling())
+    finally:
+        be.session = old
+        m.session.reset()
+        sess = None
+        os.dup2(saved, 2)
+        os.close(fd)
+        os.close(saved)
+        ort.set_default_logger_severity(3)
+    keep = ("providers", "placed on", "Node placements", "kernel not found", "Falling back", "fallback", "Memcpy",
+            "Error", "error")
+    raw = log_path.read_text(errors="replace").splitlines()
+    lines = ["## ORT verbose log, placement lines"]
+    lines += [ln[-300:] for ln in raw if any(k in ln for k in keep)][:400]
+    placed = [i for i, ln in enumerate(raw) if "placed on" in ln]
+    for i in placed:  # the node list that follows each 'placed on' line (same log site)
+        for ln in raw[i + 1:i + 200]:
+            if "VerifyEachNodeIsAssignedToAnEp" not in ln or "placed on" in ln:
+                break
+            lines.append(ln[-200:])
+    if len(raw) > 20000:  # keep what comes back small
+        log_path.write_text("\n".join(raw[:20000]) + "\n")
+    ev = json.loads(prof.read_text())
+    per = collections.defaultdict(lambda: [set(), 0.0])  # (op, provider) -> (node names, total us)
+    for e in ev:
+        a = e.get("args", {})
+        if e.get("cat") == "Node" and "provider" in a and e["name"].endswith("_kernel_time"):
+            k = (a.get("op_name"), a["provider"])
+            per[k][0].add(e["name"])
+            per[k][1] += e.get("dur", 0)
+    tot = collections.Counter()
+    for (op, pv), (names, us) in per.items():
+        tot[pv] += us
+    lines.append("\n## profile: one 64-token prefill + 8 decode steps (kernel time, all runs)")
+    lines.append("kernel time per provider: " + ", ".join(f"{pv} {us / 1e3:.2f} ms" for pv, us in tot.items()))
+    for (op, pv), (names, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{op:36s} {pv:26s} {len(names):4d} nodes  {us / 1e3:8.2f} ms")
+    (out_dir / "ort_profile.json.gz").write_bytes(gzip.compress(prof.read_bytes()))
+    prof.unlink()
+    return lines
+
+
 def cmd_run(args) -> int:
     import runtime
 
@@ -100,6 +196,8 @@ def cmd_run(args) -> int:
         print(s, flush=True)
         lines.append(s)
 
+    if args.backend == "onnxruntime":
+        return _run_ort(args, ref, lines, res, say)
     from runtime.backends.tvm import _load_runtime
 
     ffi = _load_runtime(cuda=True)
@@ -134,6 +232,58 @@ def cmd_run(args) -> int:
     say(f"GPU memory, first model + one session (cache {m.backend.cache_rows} rows) after a prefill and a decode "
         f"step: {(free_start - free_one) * 1024:.0f} MiB (device free memory before/after; of {total:.0f} GiB)")
 
+    _checks(args, ref, m, lines, res, say)
+    return 0
+
+
+def _run_ort(args, ref, lines, res, say) -> int:
+    import onnxruntime as ort
+
+    import runtime
+
+    used0 = _nvsmi_used_mib()
+    t0 = time.perf_counter()
+    m = runtime.load(args.artifact, max_context=1024)
+    first = time.perf_counter() - t0
+    m.session.prefill([1, 2, 3])
+    m.session.decode_step(4)
+    used1 = _nvsmi_used_mib()
+    say(f"# onnxruntime artifact on onnxruntime {ort.__version__} ({ort.get_device()}), providers "
+        f"{m.backend.session.get_providers()}")
+    say(f"artifact: board {m.manifest.target.board}; available providers {ort.get_available_providers()}")
+    say(f"first load: {first:.2f} s")
+    m.close()
+    loads = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        m = runtime.load(args.artifact, max_context=1024)
+        loads.append(time.perf_counter() - t0)
+        if i < 2:
+            m.close()
+    if args.ort_options:  # e.g. use_tf32=0: the same graph on a session with these CUDA EP options
+        opts = dict(kv.split("=", 1) for kv in args.ort_options.split(","))
+        be = m.backend
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = be.threads
+        so.inter_op_num_threads = 1
+        be.session = ort.InferenceSession(str(Path(args.artifact) / m.manifest.graph_file), so,
+                                          providers=[(be.provider, opts)])
+        say(f"session replaced: {be.provider} options {be.session.get_provider_options().get(be.provider)}")
+    res["load_s"] = loads
+    res["gpu_mem_mib"] = used1 - used0
+    say(f"load: {_stat(loads)} s")
+    say(f"GPU memory (nvidia-smi used, before load / after a prefill and a decode step): {used1 - used0:.0f} MiB")
+    try:
+        place = _ort_placement(m, Path(args.artifact) / m.manifest.graph_file, Path(args.out_dir), _text_ids(m))
+    except Exception as e:  # the checks below still run
+        place = [f"placement step failed: {type(e).__name__}: {e}"]
+    (Path(args.out_dir) / "ort_placement.txt").write_text("\n".join(place) + "\n")
+    say("\n".join(ln for ln in place if "placed on" in ln or "kernel time per provider" in ln))
+    _checks(args, ref, m, lines, res, say)
+    return 0
+
+
+def _checks(args, ref, m, lines, res, say) -> None:
     # ---- greedy ids against the native backend's
     say("\n## greedy ids, 8 prompts x 32 new tokens, against the native backend "
         f"({ref['kernels']})")
@@ -163,7 +313,7 @@ def cmd_run(args) -> int:
     saved["chat_logits"] = m.session.logits(chat).astype(np.float32)  # one prefill call
     m.session.reset()
     m.session.prefill(chat[:1])
-    dec = [m.session.decode_step(t) for t in chat[1:]]  # the decode path (one CUDA graph per token)
+    dec = [m.session.decode_step(t) for t in chat[1:]]  # the decode path
     saved["chatdec_ids"] = np.array(chat, np.int64)
     saved["chatdec_logits"] = np.stack(dec).astype(np.float32)
     np.savez_compressed(Path(args.out_dir) / "gpu_logits.npz", **saved)
@@ -207,7 +357,6 @@ def cmd_run(args) -> int:
     say(f"decode, context 64->192: {_stat(tt['decode_tps'])} tok/s")
     (Path(args.out_dir) / "gpu_proof.json").write_text(json.dumps(res, indent=1))
     (Path(args.out_dir) / "gpu_proof.txt").write_text("\n".join(lines) + "\n")
-    return 0
 
 
 def cmd_bounds(args) -> int:
@@ -234,6 +383,50 @@ def cmd_bounds(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_cuda_patch(args) -> int:
+    """Rewrite an onnxruntime artifact's blocked int8 QuantizeLinear nodes (the KV cache's quantizer) as
+    Div -> Round -> Clip -> Cast(int8): the same arithmetic (round half to even, saturate to int8), bit-identical on
+    the CPU EP, but in ops the CUDA EP runs (its QuantizeLinear has blocked kernels for int4 only: 'Unsupported
+    quantization type'). Updates the manifest's size and sha256 of the graph file. A diagnosis tool: the export
+    (models/export_onnx.py) is where this belongs."""
+    import hashlib
+
+    import onnx
+    import yaml
+    from onnx import TensorProto, helper, numpy_helper
+
+    art = Path(args.artifact)
+    man_path = art / "manifest.yaml"
+    graph = art / yaml.safe_load(man_path.read_text())["graph"]["file"]
+    m = onnx.load(graph, load_external_data=False)
+    m.graph.initializer.extend([numpy_helper.from_array(np.array(-128.0, np.float32), "cuda_patch_lo"),
+                                numpy_helper.from_array(np.array(127.0, np.float32), "cuda_patch_hi")])
+    nodes, done = [], 0
+    for n in m.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if n.op_type != "QuantizeLinear" or attrs.get("output_dtype") != TensorProto.INT8 or len(n.input) != 2:
+            nodes.append(n)
+            continue
+        x, scale = n.input
+        p = n.name
+        nodes += [helper.make_node("Div", [x, scale], [p + "_div"], name=p + "_div"),
+                  helper.make_node("Round", [p + "_div"], [p + "_round"], name=p + "_round"),
+                  helper.make_node("Clip", [p + "_round", "cuda_patch_lo", "cuda_patch_hi"], [p + "_clip"],
+                                   name=p + "_clip"),
+                  helper.make_node("Cast", [p + "_clip"], [n.output[0]], name=p + "_cast", to=TensorProto.INT8)]
+        done += 1
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.save(m, graph)
+    data = graph.read_bytes()
+    text = man_path.read_text()
+    old = yaml.safe_load(text)["files"][graph.name]
+    text = text.replace(old["sha256"], hashlib.sha256(data).hexdigest())
+    man_path.write_text(text.replace(f"size: {old['size']}", f"size: {len(data)}"))
+    print(f"{graph}: {done} int8 QuantizeLinear nodes rewritten; manifest updated")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -241,16 +434,30 @@ def main() -> int:
     r.add_argument("--native", help="a native artifact (default: build one for this host in --tmp)")
     r.add_argument("--tmp", default="/tmp", help="where to build the native artifact (default /tmp)")
     r.add_argument("--out", default=str(ROOT / "docs" / "gpu_reference.json"), help="(default docs/gpu_reference.json)")
-    g = sub.add_parser("run", help="run the tvm artifact on this GPU: ids, perplexity, logits, figures")
-    g.add_argument("--artifact", required=True, help="the tvm artifact directory")
+    g = sub.add_parser("run", help="run the artifact on this GPU: ids, perplexity, logits, figures")
+    g.add_argument("--artifact", required=True, help="the tvm (or, with --backend onnxruntime, onnxruntime) artifact")
+    g.add_argument("--backend", choices=("tvm", "onnxruntime"), default="tvm",
+                   help="the artifact's backend; onnxruntime runs on the board profile's provider, e.g. "
+                        "BOARDTALK_BOARD=jetson-orin-nano for CUDAExecutionProvider (default tvm)")
     g.add_argument("--reference", default=str(ROOT / "docs" / "gpu_reference.json"),
                    help="output of `reference` (default docs/gpu_reference.json)")
+    g.add_argument("--ort-options", default="",
+                   help="onnxruntime only: execution provider options k=v,k=v for the measured session, e.g. "
+                        "use_tf32=0 (default: none, ORT's defaults)")
     g.add_argument("--out-dir", default=".", help="where gpu_proof.txt/.json and gpu_logits.npz go (default .)")
     g.add_argument("--reps", type=int, default=10, help="repetitions of each timed figure (default 10)")
     b = sub.add_parser("bounds", help="check saved GPU logits against the float64 reference (needs the GGUF)")
     b.add_argument("--logits", required=True, help="gpu_logits.npz from `run`")
+    c = sub.add_parser("cuda-patch", help="onnxruntime artifact: int8 QuantizeLinear -> ops the CUDA EP runs "
+                                          "(in place; a diagnosis tool)")
+    c.add_argument("artifact", help="an onnxruntime artifact directory (a copy: it is rewritten)")
     args = ap.parse_args()
-    return {"reference": cmd_reference, "run": cmd_run, "bounds": cmd_bounds}[args.cmd](args)
+    cmds = {"reference": cmd_reference, "run": cmd_run, "bounds": cmd_bounds, "cuda-patch": cmd_cuda_patch}
+    try:
+        return cmds[args.cmd](args)
+    except (OSError, ValueError) as e:  # a wrong path or a file that is not what it should be: one line
+        print(f"gpu_proof: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

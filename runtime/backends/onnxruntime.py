@@ -63,6 +63,12 @@ class OrtBackend:
             if shapes.get(name, [None])[-len(dims):] != dims:
                 raise ArtifactError(f"{graph.name}: {name} has shape {shapes.get(name)}, the manifest implies [..., "
                                     f"{', '.join(map(str, dims))}]")
+        # ORT retries on the CPU when an available provider fails to start (e.g. onnxruntime-gpu without the CUDA
+        # libraries it links): report the provider the session really has, not the one asked for.
+        got = self.session.get_providers()
+        if provider not in got:
+            log.warning("execution provider %s failed to start (session has %s); running on the CPU", provider, got)
+            provider = got[0]
         self.provider = provider
         self._outputs = ["logits", "present_kv", "present_scale"]
         log.info("onnxruntime %s session: %s, %d threads", ort.__version__, provider, threads)
