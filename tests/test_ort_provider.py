@@ -26,3 +26,33 @@ def test_provider_that_fails_to_start_is_reported_as_cpu(tiny_artifact, monkeypa
     assert be.forward(be.new_cache(8), ids, 3).shape[-1] == m.manifest.architecture.vocab  # it still runs
     be.close()
     m.close()
+
+
+def test_cuda_patch_keeps_the_arithmetic(tiny_artifact, tmp_path):
+    """scripts/gpu_proof.py cuda-patch: the int8 KV QuantizeLinear (blocked; the CUDA EP fails on it with
+    'Unsupported quantization type') becomes Div/Round/Clip/Cast with bit-identical logits and KV codes."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import onnx
+
+    import runtime
+
+    art = tmp_path / "patched"
+    shutil.copytree(tiny_artifact, art)
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts" / "gpu_proof.py"), "cuda-patch", str(art)], check=True)
+    graph = art / runtime.load(tiny_artifact).manifest.graph_file
+    ops = {n.op_type for n in onnx.load(graph, load_external_data=False).graph.node}
+    assert "QuantizeLinear" not in ops and {"Round", "Clip"} <= ops
+    a, b = runtime.load(tiny_artifact), runtime.load(art)  # b: the manifest's sha256 was updated, it verifies
+    ids = a.chat_ids([{"role": "user", "content": "hello there"}])
+    np.testing.assert_array_equal(a.session.logits(ids), b.session.logits(ids))
+    np.testing.assert_array_equal(a.session.decode_step(5), b.session.decode_step(5))
+    n = len(a.session.cache)
+    np.testing.assert_array_equal(a.session.cache.kv[:n], b.session.cache.kv[:n])
+    np.testing.assert_array_equal(a.session.cache.scale[:n], b.session.cache.scale[:n])
+    a.close()
+    b.close()
