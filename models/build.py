@@ -84,8 +84,9 @@ def build_artifact(model: str, out_dir: str | Path, board: str = "host", backend
             kernels = build_library(board, tmp)
             files.append(kernels["file"])
         else:
+            kv_quantizer = "round" if profile.provider == "CUDAExecutionProvider" else "quantizelinear"
             proto, report = build_graph(src, ExportOptions(scheme=scheme, embedding=embedding, accuracy_level=accuracy_level,
-                                                           max_context=ctx), progress=progress)
+                                                           max_context=ctx, kv_quantizer=kv_quantizer), progress=progress)
             files = save(proto, tmp)
             del proto
             graph_info = {"file": files[0]}

@@ -48,6 +48,11 @@ class ExportOptions:
     embedding: str = "q8_0"  # tied embedding / lm_head: q8_0 (exact from GGUF) or rtn-int4 (lm_head only)
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations (fast path), 0 = fp32
     max_context: int = 2048  # RoPE table length; the KV cache is sized by the runtime
+    # The KV cache's int8 quantizer: "quantizelinear" (one blocked QuantizeLinear, opset 21) or "round" (Div,
+    # Round, Clip, Cast: the same arithmetic, bit-identical on the CPU EP, 3 more nodes a layer). ONNX Runtime's
+    # CUDA EP places the int8 QuantizeLinear on the GPU but implements its blocked form for int4 only: the first
+    # forward fails ("Unsupported quantization type", measured on an H200, docs/gpu.md), so CUDA boards get "round".
+    kv_quantizer: str = "quantizelinear"
 
 
 @dataclass
@@ -147,6 +152,8 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
     cfg = model.config
     if opts.scheme not in quant.SCHEMES:
         raise ValueError(f"unknown scheme {opts.scheme!r}; known: {', '.join(quant.SCHEMES)}")
+    if opts.kv_quantizer not in ("quantizelinear", "round"):
+        raise ValueError(f"unknown kv_quantizer {opts.kv_quantizer!r}; known: quantizelinear, round")
     if opts.embedding not in quant.EMBEDDING_SCHEMES:
         raise ValueError(f"unknown embedding scheme {opts.embedding!r}; known: {', '.join(quant.EMBEDDING_SCHEMES)}")
     if not cfg.tie_embeddings:
@@ -205,7 +212,11 @@ def build_graph(model: GGUFModel, opts: ExportOptions, progress=None):
         # int8 per (token, head): scale = max(absmax/127, floor); q = round_half_even(x / scale)
         amax = g.op("ReduceMax", [g.op("Abs", [kv]), g.const([-1])], keepdims=1)  # (T, 1, 2KVH, 1)
         scale = g.op("Max", [g.op("Mul", [amax, g.const(1.0 / 127.0, np.float32)]), g.const(KV_SCALE_FLOOR, np.float32)])
-        kv_q = g.op("QuantizeLinear", [kv, scale], axis=3, block_size=D, output_dtype=TP.INT8)
+        if opts.kv_quantizer == "round":
+            kv_q = g.op("Cast", [g.op("Clip", [g.op("Round", [g.op("Div", [kv, scale])]), g.const(-128.0, np.float32),
+                                              g.const(127.0, np.float32)])], to=TP.INT8)
+        else:
+            kv_q = g.op("QuantizeLinear", [kv, scale], axis=3, block_size=D, output_dtype=TP.INT8)
         presents.append(kv_q)
         pscales.append(scale)
         # this call's tokens attend to their K/V after the int8 round trip, exactly as later tokens will see them

@@ -56,3 +56,28 @@ def test_cuda_patch_keeps_the_arithmetic(tiny_artifact, tmp_path):
     np.testing.assert_array_equal(a.session.cache.scale[:n], b.session.cache.scale[:n])
     a.close()
     b.close()
+
+
+def test_cuda_boards_get_the_kv_quantizer_the_cuda_ep_runs(tiny_gguf, tiny_artifact, tmp_path):
+    """GPU check: an onnxruntime artifact for a Jetson failed its first forward on the CUDA EP ('Unsupported
+    quantization type': its blocked QuantizeLinear is int4-only there) and needed scripts/gpu_proof.py
+    cuda-patch. The build now emits Div/Round/Clip/Cast for boards whose provider is CUDA; the same numbers."""
+    import onnx
+
+    import runtime
+    from models.build import build_artifact
+
+    art = tmp_path / "orin"
+    build_artifact(str(tiny_gguf), art, board="jetson-orin-nano", backend="onnxruntime", max_context=128)
+    orin = runtime.load(art, board="jetson-orin-nano", threads=1)  # CUDA absent here: the CPU EP runs it
+    ops = {n.op_type for n in onnx.load(art / orin.manifest.graph_file, load_external_data=False).graph.node}
+    assert "QuantizeLinear" not in ops and {"Div", "Round", "Clip"} <= ops
+    host = runtime.load(tiny_artifact, threads=1)
+    ops = {n.op_type for n in onnx.load(tiny_artifact / host.manifest.graph_file, load_external_data=False).graph.node}
+    assert "QuantizeLinear" in ops  # CPU boards keep the single node
+    ids = host.chat_ids([{"role": "user", "content": "hello there"}])
+    np.testing.assert_allclose(orin.session.logits(ids), host.session.logits(ids), atol=1e-4)
+    n = len(host.session.cache)
+    np.testing.assert_array_equal(orin.session.cache.kv[:n], host.session.cache.kv[:n])
+    orin.close()
+    host.close()
