@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.voice.engines import SAMPLE_RATE, VAD_WINDOW
-from runtime.voice.filemode import FileOutput, read_wav, resample, write_wav
+from runtime.voice.engines import VAD_WINDOW
+from runtime.voice.filemode import FileOutput, PacedInput, write_wav
 from runtime.voice.pipeline import WINDOW_S
 
 from .persona import KEYS, Persona
@@ -35,37 +35,16 @@ def run_file(model, vad, asr, tts, persona: Persona, in_wav, out_wav=None, repor
     """Play in_wav into the toy at real-time pace (presses: seconds on its timeline at which the push-to-talk
     key is pressed), then silence until the toy is done (at most tail_s); write the replies and earcons to
     out_wav and the report to report_json, only if given. Returns the report."""
-    audio, rate = read_wav(in_wav)
-    x = resample(audio, rate, SAMPLE_RATE)
-    n_win = -(-len(x) // VAD_WINDOW)
-    x = np.concatenate([x, np.zeros(n_win * VAD_WINDOW - len(x), np.float32)])
-    t0 = [0.0]
-
-    def clock() -> float:
-        return time.monotonic() - t0[0]
-
-    sink = FileOutput(clock)
-    toy = Toy(model, vad, asr, tts, persona, output=sink, clock=clock, face=face, keep_turns=True)
+    src = PacedInput(in_wav, realtime)
+    audio, rate = src.audio, src.rate
+    sink = FileOutput(src.clock)
+    toy = Toy(model, vad, asr, tts, persona, output=sink, clock=src.clock, face=face, keep_turns=True)
     pending = sorted(presses)
-    silence = np.zeros(VAD_WINDOW, np.float32)
-    late = 0
     try:
-        t0[0] = time.monotonic()
-        i = 0
-        while True:
-            t = (i + 1) * WINDOW_S  # the window's last sample, on IN.wav's timeline
-            if i >= n_win and ((not toy.busy and not pending) or t > n_win * WINDOW_S + tail_s):
-                break
-            if realtime:
-                wait = t - clock()
-                if wait > 0:
-                    time.sleep(wait)
-                elif wait < -WINDOW_S:
-                    late += 1
+        for window, t in src.windows(lambda: not toy.busy and not pending, tail_s):
             while pending and pending[0] <= t:
                 toy.press(pending.pop(0))
-            toy.feed(x[i * VAD_WINDOW : (i + 1) * VAD_WINDOW] if i < n_win else silence, t)
-            i += 1
+            toy.feed(window, t)
     finally:
         toy.close()
     if out_wav is not None:
@@ -77,7 +56,7 @@ def run_file(model, vad, asr, tts, persona: Persona, in_wav, out_wav=None, repor
               "remembered_messages": len(toy.loop.history) - 1,  # besides the system prompt, at the end
               "engines": {"vad": getattr(vad, "name", "?"), "asr": getattr(asr, "name", "?"),
                           "tts": getattr(tts, "name", "?"), "llm": model.manifest.model_name},
-              "windows_late": late}
+              "windows_late": src.late}
     if report_json is not None:
         Path(report_json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return report

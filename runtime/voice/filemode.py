@@ -148,38 +148,58 @@ class FileOutput:
         return out, rate
 
 
+class PacedInput:
+    """IN.wav as a microphone would hand it over: 16 kHz windows of VAD_WINDOW samples at real-time pace,
+    stamped on IN.wav's timeline (0 = its first sample, one monotonic clock), then silence, as a live microphone
+    keeps giving, until ``done()`` or ``tail_s`` past the end. Any rate, mono or stereo (read_wav, resample)."""
+
+    def __init__(self, in_wav, realtime: bool = True):
+        self.audio, self.rate = read_wav(in_wav)  # as read, for the output's length and the report
+        x = resample(self.audio, self.rate, SAMPLE_RATE)
+        self.n_win = -(-len(x) // VAD_WINDOW)
+        self.x = np.concatenate([x, np.zeros(self.n_win * VAD_WINDOW - len(x), np.float32)])
+        self.realtime = realtime
+        self.late = 0  # windows handed over more than a window late (the machine could not keep up)
+        self._t0 = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return len(self.audio) / self.rate
+
+    def clock(self) -> float:
+        """Seconds on IN.wav's timeline (monotonic)."""
+        return time.monotonic() - self._t0
+
+    def windows(self, done, tail_s: float):
+        """Yields (window, t): t is the window's last sample on the timeline; the clock starts at the first."""
+        silence = np.zeros(VAD_WINDOW, np.float32)
+        self._t0 = time.monotonic()
+        i = 0
+        while True:
+            t = (i + 1) * WINDOW_S
+            if i >= self.n_win and (done() or t > self.n_win * WINDOW_S + tail_s):
+                return
+            if self.realtime:
+                wait = t - self.clock()
+                if wait > 0:
+                    time.sleep(wait)
+                elif wait < -WINDOW_S:
+                    self.late += 1
+            yield (self.x[i * VAD_WINDOW : (i + 1) * VAD_WINDOW] if i < self.n_win else silence), t
+            i += 1
+
+
 def run_file(model, vad, asr, tts, in_wav, out_wav=None, config: VoiceConfig = VoiceConfig(), report_json=None,
              tail_s: float = 30.0, realtime: bool = True, on_state=None) -> dict:
     """Play in_wav into a VoiceLoop at real-time pace, then silence until the last reply is spoken (at most
     tail_s); write the replies to out_wav and the report to report_json. Returns the report."""
-    audio, rate = read_wav(in_wav)
-    x = resample(audio, rate, SAMPLE_RATE)
-    n_win = -(-len(x) // VAD_WINDOW)
-    x = np.concatenate([x, np.zeros(n_win * VAD_WINDOW - len(x), np.float32)])
-    t0 = [0.0]
-
-    def clock() -> float:
-        return time.monotonic() - t0[0]
-
-    sink = FileOutput(clock)
-    loop = VoiceLoop(model, vad, asr, tts, config, output=sink, clock=clock, on_state=on_state)
-    silence = np.zeros(VAD_WINDOW, np.float32)
-    late = 0
+    src = PacedInput(in_wav, realtime)
+    audio, rate = src.audio, src.rate
+    sink = FileOutput(src.clock)
+    loop = VoiceLoop(model, vad, asr, tts, config, output=sink, clock=src.clock, on_state=on_state)
     try:
-        t0[0] = time.monotonic()
-        i = 0
-        while True:
-            t = (i + 1) * WINDOW_S  # the window's last sample, on IN.wav's timeline
-            if i >= n_win and (loop.idle or t > n_win * WINDOW_S + tail_s):
-                break
-            if realtime:
-                wait = t - clock()
-                if wait > 0:
-                    time.sleep(wait)
-                elif wait < -WINDOW_S:
-                    late += 1
-            loop.process(x[i * VAD_WINDOW : (i + 1) * VAD_WINDOW] if i < n_win else silence, t)
-            i += 1
+        for window, t in src.windows(lambda: loop.idle, tail_s):
+            loop.process(window, t)
     finally:
         loop.close()
     if out_wav is not None:
@@ -190,7 +210,7 @@ def run_file(model, vad, asr, tts, in_wav, out_wav=None, config: VoiceConfig = V
                           "tts": getattr(tts, "name", "?"), "llm": model.manifest.model_name,
                           "llm_backend": model.manifest.backend, "llm_threads": model.backend.threads},
               "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
-              "windows_late": late}
+              "windows_late": src.late}
     if report_json is not None:
         Path(report_json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return report
