@@ -97,10 +97,11 @@ class Model:
     def rope_rotate(self, x: np.ndarray, delta: int) -> np.ndarray:
         return rope_rotate(x, delta, self.config)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, limit: int | None = None) -> list[int]:
+        """The conversation's prompt ids; with ``limit``, tokenizing stops past limit ids (see Template.encode)."""
         if self.template is None:
             raise ValueError("this artifact has no chat template; use generate() with your own prompt")
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt)
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt, limit)
 
     # ---- the default session -----------------------------------------------------------------
     @property

@@ -235,8 +235,11 @@ class ChatTemplate:
             raise ValueError(f"chat template failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                              ) from None
 
-    def encode(self, tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render with placeholders for the contents, then encode markup with specials and contents as plain text."""
+    def encode(self, tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+               limit: int | None = None) -> list[int]:
+        """Render with placeholders for the contents, then encode markup with specials and contents as plain text.
+        With ``limit``, stops once it has more than limit ids (a prompt that cannot fit is known after
+        tokenizing only what fits, however long a client's message is); the ids are then a prefix."""
         messages = validate_messages(messages)
         holders = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(messages)]
         text = self.render(holders, add_generation_prompt)
@@ -249,7 +252,9 @@ class ChatTemplate:
             if before:
                 ids += tok.encode_with_specials(before)
             if m["content"]:
-                ids += tok.encode(m["content"])
+                ids += tok.encode(m["content"], limit=None if limit is None else max(0, limit - len(ids)))
+            if limit is not None and len(ids) > limit:
+                return ids
         if text:
             ids += tok.encode_with_specials(text)
         return ids

@@ -112,3 +112,16 @@ def test_template_that_drops_content_is_an_error(tiny_model):
     t = ChatTemplate("{% for m in messages %}{{ m['role'] }}{% endfor %}")
     with pytest.raises(ValueError, match="dropped or altered"):
         t.encode(tiny_model.tokenizer, [{"role": "user", "content": "x"}])
+
+
+def test_chat_ids_with_a_limit_stop_past_it(tiny_model):
+    """Service review: a prompt past the context was tokenized in full before the 400 (~1.4 s of the model's
+    worker per 256 KiB body); with a limit, tokenizing stops once the prompt cannot fit (past the limit by at
+    most one template's markup), and what it returns is a prefix of the full encoding."""
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 5000}]
+    full = tiny_model.chat_ids(msgs)
+    for limit in (0, 3, 40, 400, len(full) - 1):
+        part = tiny_model.chat_ids(msgs, limit=limit)
+        assert limit < len(part) <= limit + 32 and part == full[: len(part)], (limit, len(part))
+    assert len(tiny_model.chat_ids(msgs, limit=400)) == 401  # cut inside the long message itself
+    assert tiny_model.chat_ids(msgs, limit=len(full)) == full  # fits: everything, the closing markup too

@@ -291,15 +291,16 @@ class Scheduler:
             job._post(("done", GenerationStats(finish_reason="cancelled")))
             self._count_cancel(job)
             return
-        try:
-            ids = self.model.chat_ids(job.messages)
+        room = self.session.max_context - 1
+        try:  # tokenizing stops past the room: a 256 KiB message costs what fits, not ~1.4 s of this worker
+            ids = self.model.chat_ids(job.messages, limit=room)
         except ValueError as e:  # the template refused the conversation (a client's error, not ours)
             job._post(("error", e))
             return
-        room = self.session.max_context - 1
         if len(ids) > room:
-            raise_to = PromptTooLong(f"the prompt is {len(ids)} tokens; the context holds {self.session.max_context} "
-                                     f"(at most {room} prompt tokens, leaving room for 1 new token)")
+            raise_to = PromptTooLong(f"the prompt is more than {room} tokens; the context holds "
+                                     f"{self.session.max_context} (at most {room} prompt tokens, leaving room for "
+                                     "1 new token)")
             job._post(("error", raise_to))
             return
         job._session = self.session
