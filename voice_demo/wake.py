@@ -58,6 +58,34 @@ def match_wake(text: str, phrase: str, threshold: float = 0.75) -> str | None:
     """The question after the wake phrase ("" when the phrase was all), or None when ``text`` does not start
     (within MAX_OFFSET words) with something at least ``threshold`` similar (``similarity``) to ``phrase``;
     windows one word shorter and longer than the phrase are tried too. threshold 1: the exact words only."""
+    m = _match(text, phrase, threshold)
+    return None if m is None else m[0]
+
+
+# Once a pass over an utterance has heard the wake phrase, a later pass over the same audio only has to say
+# where the (misheard) phrase ends: a looser match, else as many words as the first pass's phrase took.
+LOOSE_THRESHOLD = 0.5
+
+
+def _after_vocative(text: str, within: int) -> str | None:
+    """The text after the first comma/stop/!/? that follows one of its first ``within`` words ("Hey go go,
+    what ...": Whisper marks a name called out with a comma), or None."""
+    for i, m in enumerate(list(WORD.finditer(text))[:within]):
+        if text[m.end():m.end() + 1] in (",", ".", "!", "?"):
+            return after_words(text, i + 1)
+    return None
+
+
+def after_words(text: str, k: int) -> str:
+    """text without its first k words (and the punctuation after them)."""
+    toks = list(WORD.finditer(text))
+    if k <= 0 or not toks:
+        return text.strip()
+    return text[toks[min(k, len(toks)) - 1].end():].lstrip(" \t,.;:!?-").strip()
+
+
+def _match(text: str, phrase: str, threshold: float) -> tuple[str, int] | None:
+    """(the question after the phrase, how many words up to the phrase's end) or None."""
     n = len(phrase.split())
     want = _norm(phrase.split())
     toks = list(WORD.finditer(text))
@@ -72,8 +100,7 @@ def match_wake(text: str, phrase: str, threshold: float = 0.75) -> str | None:
                 best, end = r, start + size - 1
     if end is None or best < threshold:
         return None
-    rest = text[toks[end].end():]
-    return rest.lstrip(" \t,.;:!?-").strip()
+    return after_words(text, end + 1), end + 1
 
 
 @dataclass
@@ -81,7 +108,8 @@ class Heard:
     """What the gate made of the latest pass over the current utterance."""
     raw: str = ""  # what the ASR heard
     question: str = ""  # what the loop was given ("" = nothing to answer)
-    woke: bool = False  # the wake phrase was in it
+    woke: bool = False  # the wake phrase was in it (in this pass or an earlier pass over the utterance)
+    wake_words: int = 0  # words up to the phrase's end, in the pass that found it
     awake: bool = False  # the toy was already listening when the utterance began (follow-up, push-to-talk)
 
 
@@ -117,9 +145,18 @@ class WakeGate:
             heard = self.heard  # this utterance's record, even if the next one begins meanwhile
         tr = self.asr.transcribe(audio)
         raw = tr.text.strip()
-        q = match_wake(raw, self.phrase, self.threshold) if self.phrase else None
-        woke = q is not None
-        if not woke:
+        m = _match(raw, self.phrase, self.threshold) if self.phrase else None
+        if m is not None:
+            q, heard.wake_words = m
+            woke = True
+        elif heard.woke:  # an earlier pass over this utterance heard the phrase; this one misheard it ("Hey
+            woke = True   # Coco" then "Hey go go, what color ...": CI saw it): where is it, roughly?
+            q = _after_vocative(raw, len(self.phrase.split()) + 1)
+            if q is None:
+                loose = _match(raw, self.phrase, LOOSE_THRESHOLD)
+                q = loose[0] if loose is not None else after_words(raw, heard.wake_words)
+        else:
+            woke = False
             q = raw if heard.awake or self.phrase is None else ""
         heard.raw, heard.question, heard.woke = raw, q, woke
         log.debug("heard %r: %s", raw, "woke" if woke else "passed" if q else "ignored (asleep, no wake phrase)")
