@@ -192,6 +192,8 @@ class Toy:
         h = self.gate.heard
         if not (self.wake and h.woke and not h.awake and self.persona.earcons.enabled):
             return None
+        if h.question:  # "hey coco, what color is the sky?": the answer itself says it heard; a beep first
+            return None  # would only delay it (by the earcon's 200 ms, measured)
         self._event(t, "earcon listen")
         return self._earcons["listen"], self.tts.sample_rate
 
