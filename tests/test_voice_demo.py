@@ -626,3 +626,24 @@ def test_a_final_pass_that_mishears_the_name_keeps_the_wake():
     assert gate.transcribe(None).text == "" and gate.heard.woke
     gate.begin(awake=False)  # a new utterance does not inherit the last one's wake
     assert gate.transcribe(None).text == "" and not gate.heard.woke
+
+
+def test_the_toy_tells_its_speaker_when_each_reply_ends(tiny, tmp_path, monkeypatch):
+    """Review: ToySink wrapped the speaker sink without passing on the loop's end_reply(), so live the end of
+    every reply still counted as one speaker underrun."""
+    from runtime.voice import filemode
+    from voice_demo import run
+
+    ends = []
+
+    class Output(filemode.FileOutput):
+        def end_reply(self):
+            ends.append(self.clock())
+
+    monkeypatch.setattr(run, "FileOutput", Output)
+    wav = _tone_wav(tmp_path / "in.wav", [(0.2, False), (0.5, True), (0.8, False), (0.6, True), (0.8, False),
+                                          (0.5, True), (0.6, False)])
+    persona = P.from_dict({"name": "Robo", "system_prompt": "Be brief.", "max_reply_tokens": 8,
+                           "activation": {"mode": "push_to_talk", "key": "space"}})
+    rep = _run(tiny, persona, wav, ["one", "two", "three"], tmp_path, presses=[1.0])
+    assert len(rep["turns"]) == 1 and len(ends) == 1 and ends[0] > rep["turns"][0]["first_audio_s"]

@@ -90,6 +90,11 @@ class ToySink:
             self.until = t
         return stop(t) if stop else t
 
+    def end_reply(self):
+        """The loop's reply is over: passed on (live.SpeakerSink counts underruns inside a reply only)."""
+        end = getattr(self.output, "end_reply", None)
+        return end() if end else None
+
 
 class Toy:
     def __init__(self, model, vad, asr, tts, persona: Persona, output=None, clock=time.monotonic, face=None,
