@@ -219,13 +219,7 @@ def cmd_run(args) -> int:
     say(f"first load (includes the PTX JIT where the GPU is not {man.tvm.get('cuda_arch')}): {first:.2f} s")
     _, total = _gpu_mem(be)
     m.close()
-    loads = []
-    for i in range(3):
-        t0 = time.perf_counter()
-        m = runtime.load(args.artifact, max_context=1024)
-        loads.append(time.perf_counter() - t0)
-        if i < 2:
-            m.close()
+    loads, m = _warm_loads(args.artifact)
     res["load_s"] = loads
     res["gpu_mem_mib"] = (free_start - free_one) * 1024
     say(f"load (JIT cache warm): {_stat(loads)} s")
@@ -234,6 +228,20 @@ def cmd_run(args) -> int:
 
     _checks(args, ref, m, lines, res, say)
     return 0
+
+
+def _warm_loads(artifact, n: int = 3):
+    """(seconds of n loads after the first, the last model, left open)."""
+    import runtime
+
+    loads = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        m = runtime.load(artifact, max_context=1024)
+        loads.append(time.perf_counter() - t0)
+        if i < n - 1:
+            m.close()
+    return loads, m
 
 
 def _run_ort(args, ref, lines, res, say) -> int:
@@ -253,13 +261,7 @@ def _run_ort(args, ref, lines, res, say) -> int:
     say(f"artifact: board {m.manifest.target.board}; available providers {ort.get_available_providers()}")
     say(f"first load: {first:.2f} s")
     m.close()
-    loads = []
-    for i in range(3):
-        t0 = time.perf_counter()
-        m = runtime.load(args.artifact, max_context=1024)
-        loads.append(time.perf_counter() - t0)
-        if i < 2:
-            m.close()
+    loads, m = _warm_loads(args.artifact)
     if args.ort_options:  # e.g. use_tf32=0: the same graph on a session with these CUDA EP options
         opts = dict(kv.split("=", 1) for kv in args.ort_options.split(","))
         be = m.backend

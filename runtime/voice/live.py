@@ -139,8 +139,7 @@ class LiveVoice:
     def _on_state(self, state: str) -> None:
         from .pipeline import VoiceLoop
 
-        if self._state == VoiceLoop.REPLY and state != VoiceLoop.REPLY:
-            self.sink.end_reply()  # (if the loop itself ended it already, this is a no-op)
+        if self._state == VoiceLoop.REPLY and state != VoiceLoop.REPLY:  # the loop called sink.end_reply()
             if len(self.sink.replies) > self._replies and self.loop.turns:
                 self.audio[len(self.loop.turns) - 1] = self.sink.replies[-1]
             self._replies = len(self.sink.replies)
