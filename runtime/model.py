@@ -48,11 +48,12 @@ class Model:
         self._sessions: list = []
         self.session = self.new_session()  # the default session behind model.generate/chat/...
 
-    def new_session(self, max_context: int | None = None) -> Session:
-        """A conversation with its own KV cache (max_context positions, default the model's)."""
+    def new_session(self, max_context: int | None = None, session_cls: type[Session] = Session, **kw) -> Session:
+        """A conversation with its own KV cache (max_context positions, default the model's); session_cls: a
+        Session subclass (the service's gated sessions), given kw. close() frees it too."""
         if self.backend is None:
             raise ValueError("model is closed")
-        s = Session(self, max_context)
+        s = session_cls(self, max_context, **kw)
         self._sessions = [r for r in self._sessions if r() is not None]
         self._sessions.append(weakref.ref(s))
         return s

@@ -30,7 +30,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from typing import Callable
 
 from ..kv_cache import ContextOverflow
@@ -103,7 +102,7 @@ class ComputeGate:
 class GatedSession(Session):
     """A session whose every forward pass goes through the gate at one priority; counts its passes."""
 
-    def __init__(self, model, gate: ComputeGate, prio: int, max_context: int | None = None):
+    def __init__(self, model, max_context: int | None = None, *, gate: ComputeGate, prio: int):
         super().__init__(model, max_context)
         self.gate, self.prio = gate, prio
         self.forwards = 0  # forward passes run (prefill chunks + decode steps)
@@ -121,9 +120,7 @@ class GatedModel:
         self._model, self._gate, self._prio = model, gate, prio
 
     def new_session(self, max_context: int | None = None) -> GatedSession:
-        s = GatedSession(self._model, self._gate, self._prio, max_context)
-        self._model._sessions.append(weakref.ref(s))  # model.close() frees it too
-        return s
+        return self._model.new_session(max_context, GatedSession, gate=self._gate, prio=self._prio)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -198,7 +195,7 @@ class Scheduler:
         self.model, self.gate, self.metrics = model, gate, metrics
         self.queue_bound = queue_bound
         self.system_prompt = system_prompt
-        self.session = GatedSession(model, gate, API)
+        self.session = model.new_session(None, GatedSession, gate=gate, prio=API)
         self._beat = beat or (lambda: None)
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
